@@ -1,0 +1,163 @@
+"""``accumulate(k)`` and ``no_sync()``: gradient accumulation with the plain loop.
+
+Under ``accumulate(k)`` each ``loss.backward()`` is one micro-step. The loss is divided by the
+size of its group, so the accumulated gradient is the mean over the group's micro-batches, as
+one large batch would give. DDP's all-reduce runs only on the group's last backward (decided
+at the forward, where DDP needs to know), and ``opt.step()``, ``opt.zero_grad()`` and LR
+scheduler steps only take effect after that last backward.
+
+The end of the DataLoader always closes a group. When the loader's length is known, a short
+last group of ``m < k`` micro-batches is divided by ``m`` from its first micro-step; when it
+is not (an iterable dataset without ``len``), its gradients are multiplied by ``k / m`` after
+its last backward. Either way the step sees the mean over the micro-batches it accumulated.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+
+from . import _state
+from ._scope import Scope
+from .errors import ConfigurationError
+
+
+class AccumulateRuntime:
+    """Counters of one ``accumulate(k)`` entry."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.micro = 0  # backward passes so far in the current group
+        self.groups = 0  # completed groups
+        self.size: int | None = None  # size of the current group, decided at its start
+        self.sync_gradients = True  # the last backward closed a group (or none happened yet)
+        self.correction: list[torch.Tensor] = []
+        self._warned_double_step = False
+
+    def _group_size(self, session: _state.Session) -> int:
+        if self.size is None:
+            size = self.steps
+            loader = session.active_loader()
+            if loader is not None and loader.length is not None:
+                remaining = loader.length - max(loader.index, 0)
+                size = max(1, min(size, remaining))
+            self.size = size
+        return self.size
+
+    def will_sync(self, session: _state.Session) -> bool:
+        """Whether the backward of the forward about to run closes the group."""
+        loader = session.active_loader()
+        return self.micro + 1 >= self._group_size(session) or (
+            loader is not None and loader.is_last
+        )
+
+    def scale_loss(self, loss: torch.Tensor, session: _state.Session) -> torch.Tensor:
+        size = self._group_size(session)
+        return loss / size if size > 1 else loss
+
+    def after_backward(self, session: _state.Session, params: Any) -> None:
+        self.micro += 1
+        size = self._group_size(session)
+        loader = session.active_loader()
+        if self.micro >= size or (loader is not None and loader.is_last):
+            if self.micro < size:  # the loader ended a group of unknown length early
+                _rescale_grads(params(), size / self.micro)
+            self.micro = 0
+            self.groups += 1
+            self.size = None
+            self.sync_gradients = True
+        else:
+            self.sync_gradients = False
+
+    def step_allowed(self, record: _state.OptimizerRecord) -> bool:
+        if not self.sync_gradients:
+            return False
+        if record.last_group == self.groups:
+            if not self._warned_double_step:
+                self._warned_double_step = True
+                warnings.warn(
+                    "optimizer.step() was called again without a new backward under "
+                    "accumulate(); the extra call is skipped. Call step() once per "
+                    "micro-batch, after loss.backward().",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            return False
+        record.last_group = self.groups
+        return True
+
+
+def _rescale_grads(params: Any, factor: float) -> None:
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, factor)
+
+
+class accumulate(Scope):
+    """Accumulate gradients over ``steps`` micro-batches with the loop left unchanged.
+
+    Every ``loss.backward()`` is a micro-step: the loss is divided by the group size, DDP's
+    gradient all-reduce runs only on each group's last micro-step, and ``opt.step()``,
+    ``opt.zero_grad()``, ``clip_grad_norm_`` and LR-scheduler steps take effect only after it.
+    The end of a DataLoader always closes a group (see the module notes for a short last
+    group). ``state().sync_gradients`` tells whether the current micro-step is a boundary.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import accumulate, state
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> with accumulate(2):
+        ...     for x in torch.randn(4, 3, 2):
+        ...         model(x).sum().backward()
+        ...         opt.step(); opt.zero_grad()
+        ...     print(state().step)
+        2
+    """
+
+    concern = "accumulate"
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise ConfigurationError(
+                f"accumulate(steps={steps!r}): give a whole number of micro-batches (int >= 1)."
+            )
+        if steps < 1:
+            raise ConfigurationError(
+                f"accumulate(steps={steps}): need at least 1 micro-batch per optimizer step."
+            )
+        self.steps = steps
+
+    def _open(self, exits: ExitStack) -> AccumulateRuntime:
+        return AccumulateRuntime(self.steps)
+
+
+class NoSyncRuntime:
+    """Marker runtime: forwards inside skip DDP's gradient all-reduce."""
+
+
+class no_sync(Scope):
+    """Skip the gradient all-reduce of backward passes whose forward ran inside the scope.
+
+    For users who drive accumulation themselves, like DDP's ``no_sync()`` but for every
+    adopted model at once. Gradients accumulate locally; the first backward after the scope
+    synchronises the sum.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import distributed, no_sync
+        >>> with distributed():
+        ...     model = torch.nn.Linear(2, 1)
+        ...     with no_sync():
+        ...         model(torch.randn(4, 2)).sum().backward()
+        ...     model(torch.randn(4, 2)).sum().backward()
+    """
+
+    concern = "sync"
+
+    def _open(self, exits: ExitStack) -> NoSyncRuntime:
+        return NoSyncRuntime()

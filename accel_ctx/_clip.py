@@ -1,0 +1,142 @@
+"""Gradient clipping that knows about accumulation and fp16 loss scaling.
+
+Inside a scope, ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` are routed here too,
+so an unchanged loop clips correctly. Under fp16 the gradients are unscaled first (through the
+GradScaler, once per step, however often clipping is called); gradients whose optimizer accel_ctx
+has not met yet are clipped in the scaled domain, which is exact because the scale is a power
+of two. Under ``accumulate()`` nothing is clipped before the group's last micro-step: the call
+then returns the norm of the gradients accumulated so far and leaves them alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch.nn.utils import clip_grad as _stock
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from . import _state
+
+_Params = torch.Tensor | Iterable[torch.Tensor]
+# Captured at import, before any scope patches torch's names with ours.
+_stock_clip_norm = _stock.clip_grad_norm_
+_stock_clip_value = _stock.clip_grad_value_
+
+
+def _as_list(parameters: _Params) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        return [parameters]
+    return list(parameters)
+
+
+def _split_scaled(
+    stack: _state.Stack, params: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+    """Unscale what can be; return (unscaled grads, still-scaled grads, scale)."""
+    precision = stack.effective_precision()
+    grads = [p.grad for p in params if p.grad is not None]
+    if precision is None or precision.scaler is None or not precision.scaler.is_enabled():
+        return grads, [], 1.0
+    wanted = {id(p) for p in params}
+    unscaled: set[int] = set()
+    for optimizer in list(stack.session.optimizers):
+        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if owned & wanted and precision.unscale(optimizer):
+            unscaled |= owned
+    plain = [p.grad for p in params if p.grad is not None and id(p) in unscaled]
+    scaled = [p.grad for p in params if p.grad is not None and id(p) not in unscaled]
+    return plain, scaled, float(precision.scaler.get_scale())
+
+
+def _total_norm(
+    plain: list[torch.Tensor], scaled: list[torch.Tensor], scale: float, norm_type: float,
+    foreach: bool | None,
+) -> torch.Tensor:
+    norms = []
+    if plain:
+        norms.append(get_total_norm(plain, norm_type, False, foreach))
+    if scaled:
+        norms.append(get_total_norm(scaled, norm_type, False, foreach) / scale)
+    if not norms:
+        return torch.tensor(0.0)
+    if len(norms) == 1:
+        return norms[0]
+    stacked = torch.stack([n.to(norms[0].device) for n in norms])
+    total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
+    return total
+
+
+def clip_grad_norm_(
+    parameters: _Params,
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> torch.Tensor:
+    """Clip the gradient norm like ``torch.nn.utils.clip_grad_norm_``, correct in every scope.
+
+    Under fp16 the gradients are unscaled first; under ``accumulate()`` clipping waits for the
+    group's last micro-step (earlier calls return the running norm and change nothing); under
+    ``distributed()`` the gradients are already averaged, so every rank clips alike. Outside a
+    scope it is torch's function.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import clip_grad_norm_
+        >>> w = torch.nn.Parameter(torch.ones(3))
+        >>> (w * 10).sum().backward()
+        >>> round(float(clip_grad_norm_([w], max_norm=1.0)), 3)
+        17.321
+    """
+    stack = _state.current()
+    if stack is None:
+        return _stock_clip_norm(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    params = _as_list(parameters)
+    norm_type = float(norm_type)
+    accumulating = stack.accumulate is not None and not stack.accumulate.sync_gradients
+    if accumulating:
+        precision = stack.effective_precision()
+        scale = precision.loss_scale() if precision is not None else None
+        grads = [p.grad for p in params if p.grad is not None]
+        return _total_norm([], grads, scale or 1.0, norm_type, foreach)
+    plain, scaled, scale = _split_scaled(stack, params)
+    total = _total_norm(plain, scaled, scale, norm_type, foreach)
+    if error_if_nonfinite and (total.isnan() or total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
+            "by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
+    if plain or scaled:
+        clip_grads_with_norm_(params, max_norm, total, foreach)
+    return total
+
+
+def clip_grad_value_(
+    parameters: _Params, clip_value: float, foreach: bool | None = None
+) -> None:
+    """Clamp gradients like ``torch.nn.utils.clip_grad_value_``, correct in every scope.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import clip_grad_value_
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> (w * 5).sum().backward()
+        >>> clip_grad_value_([w], 1.0); w.grad
+        tensor([1., 1.])
+    """
+    stack = _state.current()
+    if stack is None:
+        _stock_clip_value(parameters, clip_value, foreach)
+        return
+    if stack.accumulate is not None and not stack.accumulate.sync_gradients:
+        return
+    params = _as_list(parameters)
+    plain, scaled, scale = _split_scaled(stack, params)
+    value = float(clip_value)
+    for grad in plain:
+        grad.clamp_(-value, value)
+    for grad in scaled:
+        grad.clamp_(-value * scale, value * scale)
+

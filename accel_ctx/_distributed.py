@@ -1,0 +1,409 @@
+"""``distributed()``: the launch environment, the process group, the device, adopted modules."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import weakref
+from contextlib import ExitStack
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
+from torch.distributed.rendezvous import rendezvous
+from typing_extensions import Unpack
+
+from . import _env, _state
+from ._scope import Scope
+from .errors import ConfigurationError, LaunchEnvironmentError, RendezvousError
+
+if TYPE_CHECKING:
+    from ._precision import PrecisionRuntime
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+_BUFFER_SYNC_FLAG = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
+    else "broadcast_buffers"
+)
+
+
+@dataclass(frozen=True)
+class DistributedOptions:
+    """How ``distributed()`` sets up the job and wraps modules in DDP's machinery."""
+
+    backend: str | None = None
+    """``"gloo"``, ``"nccl"``, or None: NCCL (with gloo for CPU tensors) on CUDA, else gloo."""
+    device: str | None = None
+    """Force a device ("cpu", "cuda:1", ...); None picks cuda:LOCAL_RANK, else mps, else cpu."""
+    timeout: timedelta = DEFAULT_TIMEOUT
+    """How long rendezvous and each collective may wait before failing with an error."""
+    init_method: str | None = None
+    """A ``file://`` or ``tcp://`` rendezvous URL; None uses MASTER_ADDR/MASTER_PORT."""
+    find_unused_parameters: bool = False
+    """DDP: allow parameters that receive no gradient in some steps."""
+    static_graph: bool = False
+    """DDP: the set of used parameters never changes (enables optimisations)."""
+    broadcast_buffers: bool = True
+    """DDP: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks every forward."""
+    bucket_cap_mb: float | None = None
+    """DDP: gradient bucket size in MiB (None: DDP's default of 25)."""
+    gradient_as_bucket_view: bool = False
+    """DDP: let ``.grad`` alias the communication buckets (saves memory)."""
+    sync_batchnorm: bool = False
+    """Use SyncBatchNorm statistics across ranks for the scope (restored on exit)."""
+    even_batches: bool = True
+    """Pad the last round of batches by wrapping around so every rank gets as many batches."""
+
+
+class _Options(TypedDict, total=False):
+    backend: str | None
+    device: str | torch.device | None
+    timeout: timedelta | float
+    init_method: str | None
+    find_unused_parameters: bool
+    static_graph: bool
+    broadcast_buffers: bool
+    bucket_cap_mb: float | None
+    gradient_as_bucket_view: bool
+    sync_batchnorm: bool
+    even_batches: bool
+
+
+_OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
+
+
+def _parse_options(options: dict[str, Any]) -> DistributedOptions:
+    for name in options:
+        if name not in _OPTION_NAMES:
+            close = difflib.get_close_matches(name, _OPTION_NAMES, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ConfigurationError(
+                f"distributed() got an unknown option {name!r}.{hint} Valid options: "
+                f"{', '.join(_OPTION_NAMES)}."
+            )
+    values = dict(options)
+    timeout = values.get("timeout", DEFAULT_TIMEOUT)
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ConfigurationError(
+            f"distributed(timeout={timeout!r}): give a positive number of seconds or a timedelta."
+        )
+    values["timeout"] = timeout
+    if values.get("device") is not None:
+        values["device"] = str(torch.device(values["device"]))
+    backend = values.get("backend")
+    if backend is not None and not isinstance(backend, str):
+        raise ConfigurationError(f"distributed(backend={backend!r}): give 'gloo' or 'nccl'.")
+    for flag in ("find_unused_parameters", "static_graph", "broadcast_buffers",
+                 "gradient_as_bucket_view", "sync_batchnorm", "even_batches"):
+        if flag in values and not isinstance(values[flag], bool):
+            raise ConfigurationError(f"distributed({flag}={values[flag]!r}): give True or False.")
+    return DistributedOptions(**values)
+
+
+class distributed(Scope):
+    """Run the enclosed training code data-parallel on every process of the job.
+
+    Reads the launch environment (``accel-ctx launch``/torchrun, SLURM, Open MPI; none means
+    one process), joins the process group, picks the device (``cuda:LOCAL_RANK``, else mps,
+    else cpu) and, inside the scope:
+
+    * iterating any DataLoader yields this rank's share of the batches, on the device;
+    * the first top-level call of a module with trainable parameters moves it to the device,
+      starts every rank from rank 0's weights and averages its gradients with DDP's engine,
+      while ``model`` stays the very same object (class, attributes, ``state_dict`` keys).
+
+    Everything it set up is torn down on exit, also on an exception. Nesting is harmless;
+    scopes one after another (train, then evaluate; a sweep) each get a fresh setup.
+
+    Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
+    ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``
+    (see :class:`DistributedOptions`).
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import distributed, state
+        >>> with distributed():
+        ...     model = torch.nn.Linear(4, 2)
+        ...     out = model(torch.randn(3, 4))
+        ...     print(state().world_size, out.shape)
+        1 torch.Size([3, 2])
+    """
+
+    concern = "distributed"
+
+    def __init__(self, **options: Unpack[_Options]) -> None:
+        super().__init__()
+        self.options = _parse_options(dict(options))
+
+    def _open(self, exits: ExitStack) -> DistributedRuntime:
+        below = _state.current()
+        if below is not None and below.dist is not None:
+            return DistributedRuntime.nested(below.dist, self.options)
+        runtime = DistributedRuntime.start(self.options, exits)
+        return runtime
+
+
+def _pick_device(options: DistributedOptions, launch: _env.LaunchEnv) -> torch.device:
+    if options.device is not None:
+        return torch.device(options.device)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if launch.local_rank >= count:
+            raise LaunchEnvironmentError(
+                f"local rank {launch.local_rank} has no GPU of its own: this node has {count}. "
+                f"Start at most {count} processes per node, or pass distributed(device='cpu')."
+            )
+        return torch.device("cuda", launch.local_rank)
+    mps = getattr(torch.backends, "mps", None)
+    if launch.world_size == 1 and mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def _pick_backend(options: DistributedOptions, device: torch.device) -> str:
+    if options.backend is not None:
+        return options.backend
+    # NCCL for CUDA tensors, gloo beside it so CPU tensors (objects, RNG states) work too.
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def _rendezvous(launch: _env.LaunchEnv, options: DistributedOptions) -> Store:
+    init_method = options.init_method or launch.init_method
+    target = init_method or f"tcp://{launch.master_addr}:{launch.master_port}"
+    key = (target, launch.rank, launch.world_size)
+    cached: Store | None = _state.cached_store(key)
+    if cached is not None:
+        return cached
+    timeout = options.timeout
+    store: Store
+    if init_method is not None:
+        store, _, _ = next(
+            rendezvous(init_method, launch.rank, launch.world_size, timeout=timeout)
+        )
+    else:
+        assert launch.master_addr is not None and launch.master_port is not None
+        store = TCPStore(
+            launch.master_addr,
+            launch.master_port,
+            launch.world_size,
+            is_master=launch.rank == 0 and not launch.use_agent_store,
+            timeout=timeout,
+            wait_for_workers=False,
+            multi_tenant=True,
+        )
+    _state.cache_store(key, store)
+    return store
+
+
+def _init_process_group(
+    launch: _env.LaunchEnv, options: DistributedOptions, backend: str, device: torch.device
+) -> None:
+    where = (
+        f"rank {launch.rank} of {launch.world_size}"
+        f" ({launch.source}, rendezvous at "
+        f"{options.init_method or launch.init_method or f'{launch.master_addr}:{launch.master_port}'})"
+    )
+    seconds = options.timeout.total_seconds()
+    try:
+        base = _rendezvous(launch, options)
+        # A fresh key prefix per process group: sequential scopes and elastic restarts reuse
+        # the same store, and must not see each other's barrier counters.
+        generation = _state.next_pg_generation()
+        store = PrefixStore(f"accel_ctx/{launch.restart_count}/{generation}", base)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=options.timeout,
+        )
+    except Exception as exc:
+        raise RendezvousError(
+            f"{where}: the process group did not form within {seconds:g} s ({exc}). Check that "
+            f"all {launch.world_size} processes were started with the same MASTER_ADDR/"
+            "MASTER_PORT and can reach rank 0; raise distributed(timeout=...) if start-up is slow."
+        ) from exc
+
+
+class DistributedRuntime:
+    """The live side of one ``distributed()`` entry (shared by scopes nested inside it)."""
+
+    def __init__(
+        self,
+        launch: _env.LaunchEnv,
+        device: torch.device,
+        backend: str | None,
+        options: DistributedOptions,
+        base: DistributedRuntime | None,
+    ) -> None:
+        self.launch = launch
+        self.device = device
+        self.backend = backend
+        self.options = options
+        self.base: DistributedRuntime = base if base is not None else self
+        self.rank = launch.rank
+        self.world_size = launch.world_size
+        self.default_precision: PrecisionRuntime | None = (
+            base.default_precision if base is not None else None
+        )
+        # Modules this (base) runtime adopted; records live on the modules themselves.
+        self.adopted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._undo_batchnorm: list[tuple[nn.Module, str, nn.Module]] = []
+
+    # ---- construction ------------------------------------------------------------------------
+    @classmethod
+    def start(cls, options: DistributedOptions, exits: ExitStack) -> DistributedRuntime:
+        from ._precision import precision_from_env
+
+        launch = _env.detect()
+        backend: str | None = None
+        if dist.is_available() and dist.is_initialized():
+            # The user (or a library) already formed the group: use it, leave it to them.
+            launch = _launch_from_group(launch)
+            device = _pick_device(options, launch)
+            backend = str(dist.get_backend())
+        else:
+            device = _pick_device(options, launch)
+            if launch.is_distributed:
+                backend = _pick_backend(options, device)
+                _init_process_group(launch, options, backend, device)
+                exits.callback(dist.destroy_process_group)
+        if device.type == "cuda":
+            previous = torch.cuda.current_device()
+            torch.cuda.set_device(device)
+            exits.callback(torch.cuda.set_device, previous)
+        runtime = cls(launch, device, backend, options, None)
+        exits.callback(runtime._release_modules)
+        runtime.default_precision = precision_from_env(device, exits)
+        return runtime
+
+    @classmethod
+    def nested(cls, outer: DistributedRuntime, options: DistributedOptions) -> DistributedRuntime:
+        return cls(outer.launch, outer.device, outer.backend, options, outer.base)
+
+    # ---- modules -------------------------------------------------------------------------------
+    def prepare(self, module: nn.Module) -> tuple[Any, Any]:
+        """What to call for a top-level call of ``module``, and its DDP engine (or None)."""
+        record = _state.module_record(module)
+        if record is not None and record.owner is self.base:
+            if record.root:
+                engine = record.engine
+                return (engine if engine is not None else module), engine
+            return module, None  # a part of an adopted model, called on its own
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            return module, module  # the user's own DDP: leave it to them
+        if _managed_elsewhere(module):
+            return module, None
+        engine = self._adopt(module)
+        return (engine if engine is not None else module), engine
+
+    def _adopt(self, module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+        base = self.base
+        for sub in module.modules():
+            record = _state.module_record(sub)
+            if sub is not module and record is not None and record.root and record.owner is base:
+                base._release(sub)  # a part was called first; the whole model takes over
+        self._move(module)
+        trainable = any(p.requires_grad for p in module.parameters())
+        engine = None
+        if trainable and self.world_size > 1 and dist.is_initialized():
+            if self.options.sync_batchnorm:
+                base._undo_batchnorm.extend(_convert_batchnorm(module))
+            engine = self._ddp(module)
+        for sub in module.modules():
+            _state.set_module_record(sub, _state.ModuleRecord(base, sub is module, engine))
+        base.adopted.add(module)
+        return engine
+
+    def _move(self, module: nn.Module) -> None:
+        if self.device.type == "cpu":
+            return
+        devices = {t.device.type for t in module.parameters()}
+        devices.update(t.device.type for t in module.buffers())
+        if devices == {"cpu"}:  # modules the user placed themselves stay where they are
+            module.to(self.device)
+
+    def _ddp(self, module: nn.Module) -> nn.parallel.DistributedDataParallel:
+        opts = self.options
+        devices = {p.device for p in module.parameters()}
+        single_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
+        kwargs: dict[str, Any] = {}
+        if opts.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = opts.bucket_cap_mb
+        if not opts.broadcast_buffers:  # newer torch renamed the flag
+            kwargs[_BUFFER_SYNC_FLAG] = False
+        return nn.parallel.DistributedDataParallel(
+            module,
+            device_ids=[next(iter(devices))] if single_cuda else None,
+            find_unused_parameters=opts.find_unused_parameters,
+            gradient_as_bucket_view=opts.gradient_as_bucket_view,
+            static_graph=opts.static_graph,
+            **kwargs,
+        )
+
+    def inputs_to_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        from ._tree import to_device
+
+        if self.device.type == "cpu":
+            return args, kwargs
+        return to_device(args, self.device), to_device(kwargs, self.device)
+
+    def _release(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            record = _state.module_record(sub)
+            if record is not None and record.owner is self:
+                _state.set_module_record(sub, None)
+        self.adopted.discard(module)
+
+    def _release_modules(self) -> None:
+        for parent, name, original in reversed(self._undo_batchnorm):
+            setattr(parent, name, original)
+        self._undo_batchnorm.clear()
+        for module in list(self.adopted):
+            self._release(module)
+
+
+def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:
+    from dataclasses import replace
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if launch.is_distributed and (launch.rank, launch.world_size) != (rank, world):
+        raise LaunchEnvironmentError(
+            f"the process group already initialised says rank {rank} of {world}, the "
+            f"environment says rank {launch.rank} of {launch.world_size}; make them agree."
+        )
+    if not launch.is_distributed:
+        launch = replace(launch, source="process group", local_world_size=world, num_nodes=1)
+    return replace(launch, rank=rank, world_size=world)
+
+
+def _managed_elsewhere(module: nn.Module) -> bool:
+    """Modules that torch's composable APIs (replicate, fully_shard) or DataParallel manage."""
+    if isinstance(module, nn.DataParallel):
+        return True
+    registry = module.__dict__.get("__composable_api_registry")
+    if registry:
+        return True
+    return any(type(module).__name__.startswith(p) for p in ("FSDP", "FullyShardedDataParallel"))
+
+
+def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Swap BatchNorm children for SyncBatchNorm in place; returns how to undo it."""
+    undo: list[tuple[nn.Module, str, nn.Module]] = []
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.modules.batchnorm._BatchNorm) and not isinstance(
+                child, nn.SyncBatchNorm
+            ):
+                sync = nn.SyncBatchNorm.convert_sync_batchnorm(child)  # type: ignore[no-untyped-call]
+                setattr(parent, name, sync)
+                undo.append((parent, name, child))
+    return undo

@@ -1,0 +1,310 @@
+"""``mixed_precision()``, ``@autocast_forward`` and fp16 loss scaling.
+
+The forward of each top-level module call runs under ``torch.autocast``; the backward never
+does. For fp16, ``torch.amp.GradScaler`` does the scaling: ``loss.backward()`` scales,
+``opt.step()`` unscales, checks for inf/NaN and skips the step when needed. The scale is updated
+once per iteration, just before the next scaled backward (or when the scope ends), so several
+optimizers stepping on one backward all unscale with the scale their gradients were made with.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
+
+import torch
+import wrapt
+from torch.amp.grad_scaler import OptState
+
+from . import _env, _state
+from ._scope import Scope
+from ._tree import cast_floating
+from .errors import ConfigurationError
+
+F = TypeVar("F")
+
+_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
+_ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "no",
+    "float32": "no",
+    "none": "no",
+    "off": "no",
+}
+
+
+def _policy_name(policy: str | None) -> str:
+    if policy is None:
+        import os
+
+        policy = os.environ.get(_env.MIXED_PRECISION_VAR, "no")
+    if not isinstance(policy, str):
+        raise ConfigurationError(
+            f"mixed_precision({policy!r}): give one of 'bf16', 'fp16' or 'no' as a string."
+        )
+    name = _ALIASES.get(policy.lower(), policy.lower())
+    if name not in _DTYPES:
+        raise ConfigurationError(
+            f"unknown mixed-precision policy {policy!r}; valid policies are 'bf16', 'fp16' and "
+            "'no' (None takes the launcher's --mixed-precision, default 'no')."
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """What a ``mixed_precision()`` scope asks for."""
+
+    name: str
+    """'bf16', 'fp16' or 'no'."""
+    output_dtype: torch.dtype | None = torch.float32
+    """Floating outputs of an adopted module's forward are cast to this (None: keep them)."""
+    init_scale: float = 2.0**16
+    """fp16: the first loss scale."""
+    growth_interval: int = 2000
+    """fp16: clean steps before the scale doubles."""
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return _DTYPES[self.name]
+
+
+def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:
+    dtype = policy.dtype
+    if dtype is None:
+        return
+    problem = None
+    if not torch.amp.is_autocast_available(device_type):
+        problem = f"autocast is not available on {device_type!r}"
+    elif device_type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        problem = "this GPU cannot compute in bf16"
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.autocast(device_type, dtype=dtype)
+        if any("not supported" in str(w.message) for w in caught):
+            problem = f"{device_type} autocast does not support {dtype}"
+    if problem is not None:
+        other = "'bf16'" if policy.name == "fp16" else "'fp16'"
+        raise ConfigurationError(
+            f"mixed_precision({policy.name!r}) cannot run here: {problem}. Use {other} or 'no', "
+            "or run on a device that supports it."
+        )
+
+
+class PrecisionRuntime:
+    """The live side of one ``mixed_precision()`` entry: policy, GradScaler, counters."""
+
+    def __init__(self, policy: PrecisionPolicy, device_type: str | None) -> None:
+        self.policy = policy
+        self.dtype = policy.dtype
+        self.device_type = device_type
+        self.scaler: torch.amp.GradScaler | None = None
+        self.pending_update = False
+        self.skipped_steps = 0
+        self._checked: set[str] = set()
+        if device_type is not None:
+            self._check(device_type)
+
+    def _check(self, device_type: str) -> None:
+        if device_type not in self._checked:
+            _check_supported(device_type, self.policy)
+            self._checked.add(device_type)
+
+    # ---- forward -------------------------------------------------------------------------------
+    def autocast(self, device_type: str) -> AbstractContextManager[Any]:
+        if self.dtype is None:
+            return nullcontext()
+        self._check(device_type)
+        return torch.autocast(device_type, dtype=self.dtype)
+
+    def cast_output(self, out: Any) -> Any:
+        if self.dtype is None or self.policy.output_dtype is None:
+            return out
+        return cast_floating(out, self.policy.output_dtype)
+
+    # ---- fp16 loss scaling -----------------------------------------------------------------------
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.dtype != torch.float16:
+            return loss
+        self.flush()
+        if self.scaler is None:
+            self.scaler = torch.amp.GradScaler(
+                loss.device.type,
+                init_scale=self.policy.init_scale,
+                growth_interval=self.policy.growth_interval,
+            )
+        return self.scaler.scale(loss)
+
+    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        # GradScaler keeps its per-optimizer stage and inf flags here; reading them lets the
+        # step hook decide without calling GradScaler.step (which would re-enter opt.step).
+        states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
+        return states[id(optimizer)]
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale ``optimizer``'s gradients once per iteration; False if nothing is scaled."""
+        state = self._optimizer_state(optimizer)
+        if state is None:
+            return False
+        if state["stage"] is OptState.READY:
+            assert self.scaler is not None
+            self.scaler.unscale_(optimizer)
+        return True
+
+    def must_skip(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale, look for inf/NaN; True when this step must be skipped (fp16 overflow)."""
+        if not self.unscale(optimizer):
+            return False
+        state = self._optimizer_state(optimizer)
+        assert state is not None
+        self.pending_update = True
+        found = sum(v.item() for v in state["found_inf_per_device"].values())
+        return bool(found)
+
+    def flush(self) -> None:
+        """Apply the pending scale update (once per iteration, after every optimizer stepped)."""
+        if self.pending_update and self.scaler is not None:
+            self.pending_update = False
+            self.scaler.update()
+
+    def loss_scale(self) -> float | None:
+        if self.scaler is None:
+            return self.policy.init_scale if self.dtype == torch.float16 else None
+        return float(self.scaler.get_scale())
+
+    def close(self) -> None:
+        self.flush()
+
+
+def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRuntime | None:
+    """The launcher's ``--mixed-precision`` as a default for ``distributed()`` (lowest priority)."""
+    import os
+
+    name = os.environ.get(_env.MIXED_PRECISION_VAR)
+    if not name or _policy_name(name) == "no":
+        return None
+    runtime = PrecisionRuntime(PrecisionPolicy(_policy_name(name)), device.type)
+    _state.register_precision(runtime)
+    exits.callback(_state.unregister_precision, runtime)
+    exits.callback(runtime.close)
+    return runtime
+
+
+class mixed_precision(Scope):
+    """Run forwards in reduced precision inside the scope: ``"bf16"``, ``"fp16"`` or ``"no"``.
+
+    Each top-level module call runs its forward under ``torch.autocast`` for the device and
+    returns fp32 outputs (``output_dtype=None`` keeps them as computed); backward never runs
+    under autocast. With ``"fp16"``, ``loss.backward()`` scales the loss with a
+    ``torch.amp.GradScaler``, ``opt.step()`` unscales, skips the step on inf/NaN gradients
+    (``state().skipped_steps`` counts them) and the scale adapts; LR schedulers advance only
+    with real steps. ``None`` takes the launcher's ``--mixed-precision`` (default ``"no"``).
+    Works with or without ``distributed()``; nested, the innermost policy wins.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import mixed_precision
+        >>> model = torch.nn.Linear(4, 4)
+        >>> with mixed_precision("bf16"):
+        ...     out = model(torch.randn(2, 4))
+        >>> out.dtype
+        torch.float32
+    """
+
+    concern = "precision"
+
+    def __init__(
+        self,
+        policy: str | None = None,
+        *,
+        output_dtype: torch.dtype | None = torch.float32,
+        init_scale: float = 2.0**16,
+        growth_interval: int = 2000,
+    ) -> None:
+        super().__init__()
+        if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
+            raise ConfigurationError(
+                f"mixed_precision(output_dtype={output_dtype!r}): give a torch.dtype or None."
+            )
+        self._requested = policy
+        if policy is not None:
+            _policy_name(policy)  # fail at the call site, not at entry
+        self._options = (output_dtype, float(init_scale), int(growth_interval))
+
+    def _open(self, exits: ExitStack) -> PrecisionRuntime:
+        output_dtype, init_scale, growth_interval = self._options
+        policy = PrecisionPolicy(
+            _policy_name(self._requested), output_dtype, init_scale, growth_interval
+        )
+        below = _state.current()
+        device_type = below.dist.device.type if below is not None and below.dist else None
+        runtime = PrecisionRuntime(policy, device_type)
+        _state.register_precision(runtime)
+        exits.callback(_state.unregister_precision, runtime)
+        exits.callback(runtime.close)
+        return runtime
+
+
+def _precision_for_here() -> PrecisionRuntime | None:
+    stack = _state.current()
+    if stack is not None:
+        return stack.effective_precision()
+    # A helper thread (DataParallel replica, thread pool) with no scope of its own: use the
+    # policy open in this process; the most recently opened one if several are.
+    open_now = _state.open_precisions()
+    return open_now[-1] if open_now else None
+
+
+def _device_type_of(instance: Any, args: tuple[Any, ...], runtime: PrecisionRuntime) -> str:
+    if isinstance(instance, torch.nn.Module):
+        for p in instance.parameters():
+            return p.device.type
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+    return runtime.device_type or "cpu"
+
+
+def autocast_forward(fn: F) -> F:
+    """Run ``fn`` (a forward, any function or method) under the active precision policy.
+
+    Unlike ``torch.autocast``, which is thread-local, the policy reaches ``fn`` wherever it is
+    called: in the scope's thread, and in helper threads that have no scope of their own
+    (``nn.DataParallel`` replicas, a thread pool started inside the scope). Outside any scope
+    it is a plain call.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import autocast_forward, mixed_precision
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.fc = torch.nn.Linear(4, 4)
+        ...     @autocast_forward
+        ...     def forward(self, x):
+        ...         return self.fc(x)
+        >>> Net().forward(torch.randn(2, 4)).dtype
+        torch.float32
+    """
+    if isinstance(fn, type):
+        raise TypeError(
+            f"@autocast_forward decorates functions and methods, not the class {fn.__qualname__};"
+            " decorate its forward method instead."
+        )
+
+    def run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        runtime = _precision_for_here()
+        if runtime is None or runtime.dtype is None:
+            return wrapped(*args, **kwargs)
+        with runtime.autocast(_device_type_of(instance, args, runtime)):
+            out = wrapped(*args, **kwargs)
+        return runtime.cast_output(out)
+
+    return cast(F, wrapt.FunctionWrapper(cast(Any, fn), run))

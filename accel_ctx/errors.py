@@ -1,0 +1,109 @@
+"""Exceptions raised by accel_ctx.
+
+Every error names what went wrong and how to fix it. Argument errors also derive from the
+built-in ``ValueError`` or ``TypeError``, so existing ``except`` clauses keep working.
+
+Example:
+    >>> from accel_ctx import errors, mixed_precision
+    >>> try:
+    ...     mixed_precision("fp8")
+    ... except errors.ConfigurationError as e:
+    ...     print(type(e).__name__)
+    ConfigurationError
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AccelCtxError",
+    "ConfigurationError",
+    "DistributedError",
+    "LaunchEnvironmentError",
+    "MisnestedScopeError",
+    "NotInitializedError",
+    "PatchConflictError",
+    "RendezvousError",
+]
+
+
+class AccelCtxError(Exception):
+    """Base class of every error accel_ctx raises on purpose.
+
+    Example:
+        >>> from accel_ctx.errors import AccelCtxError
+        >>> issubclass(AccelCtxError, Exception)
+        True
+    """
+
+
+class ConfigurationError(AccelCtxError, ValueError):
+    """An argument or option has a value accel_ctx cannot use (unknown policy, k < 1, ...).
+
+    Example:
+        >>> from accel_ctx import accumulate
+        >>> from accel_ctx.errors import ConfigurationError
+        >>> try:
+        ...     accumulate(0)
+        ... except ConfigurationError:
+        ...     pass
+    """
+
+
+class MisnestedScopeError(AccelCtxError, RuntimeError):
+    """Scopes were exited in a different order than they were entered, or in another thread.
+
+    Example:
+        >>> from accel_ctx.errors import MisnestedScopeError
+        >>> issubclass(MisnestedScopeError, RuntimeError)
+        True
+    """
+
+
+class PatchConflictError(AccelCtxError, RuntimeError):
+    """Another library replaced a PyTorch attribute that accel_ctx patched while a scope was open.
+
+    Example:
+        >>> from accel_ctx.errors import PatchConflictError
+        >>> issubclass(PatchConflictError, RuntimeError)
+        True
+    """
+
+
+class NotInitializedError(AccelCtxError, RuntimeError):
+    """An operation needs an open scope (for example ``distributed()``) and none is active.
+
+    Example:
+        >>> from accel_ctx.errors import NotInitializedError
+        >>> issubclass(NotInitializedError, RuntimeError)
+        True
+    """
+
+
+class LaunchEnvironmentError(AccelCtxError, ValueError):
+    """The launch environment variables (RANK, WORLD_SIZE, SLURM_*, ...) contradict each other.
+
+    Example:
+        >>> from accel_ctx.errors import LaunchEnvironmentError
+        >>> issubclass(LaunchEnvironmentError, ValueError)
+        True
+    """
+
+
+class DistributedError(AccelCtxError, RuntimeError):
+    """A collective or a peer failed; the message names the rank that saw it.
+
+    Example:
+        >>> from accel_ctx.errors import DistributedError
+        >>> issubclass(DistributedError, RuntimeError)
+        True
+    """
+
+
+class RendezvousError(DistributedError):
+    """The processes of a job could not find each other within the timeout.
+
+    Example:
+        >>> from accel_ctx.errors import RendezvousError
+        >>> issubclass(RendezvousError, TimeoutError) or issubclass(RendezvousError, RuntimeError)
+        True
+    """

@@ -1,0 +1,107 @@
+"""Run a function on W real processes (spawned, gloo on CPU) and collect what each returns.
+
+Rendezvous goes through a FileStore in a temporary folder (no fixed ports). A child that raises
+sends its traceback back; children still running at the timeout are killed, so a test can
+fail but never hang.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+
+class WorkerFailed(AssertionError):
+    pass
+
+
+def _child(
+    target: Callable[..., Any],
+    rank: int,
+    world: int,
+    env: Mapping[str, str],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        value = target(*args)
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def rank_env(rank: int, world: int, store_dir: Path, **extra: str) -> dict[str, str]:
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "ACCEL_CTX_INIT_METHOD": f"file://{store_dir / 'store'}",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
+
+
+def spawn(
+    target: Callable[..., Any],
+    world: int,
+    tmp_path: Path,
+    *args: Any,
+    timeout: float = 120.0,
+    env: Callable[[int], Mapping[str, str]] | None = None,
+    expect_failure: bool = False,
+) -> list[Any]:
+    """Run ``target(*args)`` on ``world`` processes; return the per-rank results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    store_dir = Path(tmp_path) / f"rdzv-{time.monotonic_ns()}"
+    store_dir.mkdir(parents=True)
+    procs = []
+    for rank in range(world):
+        child_env = dict(env(rank)) if env is not None else rank_env(rank, world, store_dir)
+        p = ctx.Process(target=_child, args=(target, rank, world, child_env, args, results))
+        p.start()
+        procs.append(p)
+    deadline = time.monotonic() + timeout
+    collected: dict[int, tuple[bool, Any]] = {}
+    try:
+        while len(collected) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            collected[rank] = (ok, payload)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    failures = {r: v for r, (ok, v) in collected.items() if not ok}
+    missing = [r for r in range(world) if r not in collected]
+    if expect_failure:
+        return [collected.get(r, (False, "no result"))[1] for r in range(world)]
+    if failures or missing:
+        lines = [f"rank {r} raised:\n{tb}" for r, tb in sorted(failures.items())]
+        if missing:
+            codes = {r: procs[r].exitcode for r in missing}
+            lines.append(f"ranks {missing} sent no result (exit codes {codes}, timeout {timeout}s)")
+        raise WorkerFailed("\n".join(lines))
+    return [pickle.loads(collected[r][1]) for r in range(world)]

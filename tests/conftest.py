@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader
+
+from accel_ctx import _patches, _state
+
+torch.set_num_threads(1)
+
+# The stock entry points, read before any scope opened.
+STOCK = {
+    (nn.Module, "__call__"): nn.Module.__dict__["__call__"],
+    (nn.Module, "zero_grad"): nn.Module.__dict__["zero_grad"],
+    (torch.Tensor, "backward"): torch.Tensor.__dict__["backward"],
+    (DataLoader, "__iter__"): DataLoader.__dict__["__iter__"],
+    (DataLoader, "__len__"): DataLoader.__dict__["__len__"],
+    (DataLoader, "_index_sampler"): DataLoader.__dict__["_index_sampler"],
+    (torch.optim.Optimizer, "zero_grad"): torch.optim.Optimizer.__dict__["zero_grad"],
+    (torch.optim.lr_scheduler.LRScheduler, "step"): torch.optim.lr_scheduler.LRScheduler.__dict__["step"],
+    (torch.nn.utils, "clip_grad_norm_"): torch.nn.utils.clip_grad_norm_,
+    (torch.nn.utils.clip_grad, "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+}
+
+
+def assert_stock() -> None:
+    for (owner, name), stock in STOCK.items():
+        assert owner.__dict__[name] is stock, f"{owner.__name__}.{name} is still patched"
+    from torch.optim import optimizer as optim_module
+
+    assert not any(
+        getattr(h, "__module__", "").startswith("accel_ctx")
+        for h in optim_module._global_optimizer_pre_hooks.values()
+    ), "optimizer step hook left behind"
+
+
+@pytest.fixture(autouse=True)
+def no_state_left_behind():
+    env_before = dict(os.environ)
+    yield
+    problems = []
+    if _state.raw() is not None:
+        problems.append("a scope frame is still on the stack")
+    if _patches.installed():
+        problems.append("patches are still installed")
+    if dist.is_available() and dist.is_initialized():
+        problems.append("a process group is still initialised")
+        dist.destroy_process_group()
+    changed = {
+        kv for kv in set(os.environ.items()) ^ set(env_before.items())
+        if not kv[0].startswith(("PYTEST_", "TORCHINDUCTOR_"))
+    }
+    if changed:
+        problems.append(f"environment changed: {sorted(changed)}")
+        os.environ.clear()
+        os.environ.update(env_before)
+    try:
+        assert_stock()
+    except AssertionError as exc:
+        problems.append(str(exc))
+    assert not problems, "; ".join(problems)

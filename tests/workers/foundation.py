@@ -1,0 +1,143 @@
+"""Checks of the foundation run inside each spawned rank (many per spawn: starting is slow)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+
+from accel_ctx import _state, distributed, state
+
+from .common import (
+    MLP,
+    ChunkBatchSampler,
+    LoggingDataset,
+    Stream,
+    make_data,
+    params,
+    train,
+)
+
+
+def equivalence(batch_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with distributed():
+        out["mlp"] = params(train("mlp", batch_size))
+        out["conv"] = params(train("conv", batch_size))
+        out["mlp_workers"] = params(train("mlp", batch_size, epochs=1, num_workers=2))
+    return out
+
+
+def identity_and_models() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with distributed():
+        torch.manual_seed(0)
+        model = MLP()
+        before = (id(model), type(model), sorted(model.state_dict()), model.save_pretrained())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        data = make_data()
+        loader = DataLoader(data, batch_size=8, shuffle=True)
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out["same_object"] = before[0] == id(model) and type(model) is before[1]
+        out["class_name"] = type(model).__name__
+        out["keys_same"] = sorted(model.state_dict()) == before[2]
+        out["no_module_prefix"] = not any(k.startswith("module.") for k in model.state_dict())
+        out["helper"] = model.save_pretrained() == before[3]
+        out["greeting"] = model.greeting
+        out["engine"] = type(_state.module_record(model).engine).__name__  # type: ignore[union-attr]
+
+        # GAN: two models, each with its own optimizer; plus a frozen helper model
+        torch.manual_seed(1 + state().rank)  # different init per rank: adoption must sync it
+        gen, disc = nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 1))
+        frozen = nn.Linear(8, 8).requires_grad_(False)
+        og = torch.optim.SGD(gen.parameters(), lr=0.05)
+        od = torch.optim.SGD(disc.parameters(), lr=0.05)
+        for step in range(3):
+            torch.manual_seed(100 * step + state().rank)  # different data per rank
+            z, real = torch.randn(6, 4), torch.randn(6, 8)
+            d_loss = disc(real).mean() - disc(gen(z).detach()).mean()
+            d_loss.backward()
+            od.step()
+            od.zero_grad()
+            g_loss = -disc(frozen(gen(z))).mean()
+            g_loss.backward()
+            og.step()
+            og.zero_grad()
+            od.zero_grad()
+        out["gan"] = params(gen), params(disc)
+        out["frozen_engine"] = _state.module_record(frozen).engine  # type: ignore[union-attr]
+        out["frozen"] = params(frozen)
+        out["len_loader"] = len(loader)
+    # after the scope: no DDP, no record; backward outside does not synchronise
+    out["record_after"] = _state.MODULE_KEY in vars(model)
+    torch.manual_seed(int(os.environ["RANK"]) + 7)  # outside the scope state() says rank 0
+    model.zero_grad()
+    F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+    out["grad_after"] = model.net[0].weight.grad.clone()  # type: ignore[union-attr]
+    return out
+
+
+def sequential_scopes(batch_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with distributed():
+        model = train("mlp", batch_size, epochs=1)
+    with distributed():  # evaluate in a second scope: a fresh process group
+        data = make_data()
+        correct = torch.zeros(())
+        with torch.no_grad():
+            for x, y in DataLoader(data, batch_size=batch_size):
+                correct += (model(x).argmax(-1) == y).sum()
+        dist.all_reduce(correct)
+        out["eval_correct"] = int(correct)
+    sweep = []
+    for lr in (0.01, 0.05, 0.1):
+        with distributed():
+            sweep.append(params(train("mlp", batch_size, epochs=1, lr=lr)))
+    out["sweep"] = sweep
+    out["pg_after"] = dist.is_initialized()
+    return out
+
+
+def sharding() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with distributed():
+        world = state().world_size
+        torch.manual_seed(3)
+        ds = LoggingDataset(23)
+        loader = DataLoader(ds, batch_size=4, sampler=RandomSampler(ds))
+        out["random"] = [b[0].tolist() for b in loader]
+        out["random_loaded"] = sorted(ds.loaded)
+        out["random_len"] = len(loader)
+        ds2 = LoggingDataset(17)
+        loader2 = DataLoader(ds2, batch_sampler=ChunkBatchSampler(17))
+        out["custom"] = [b[0].tolist() for b in loader2]
+        out["custom_loaded"] = sorted(ds2.loaded)
+        out["custom_len"] = len(loader2)
+        stream = DataLoader(Stream(19), batch_size=3)
+        out["stream"] = [b.tolist() for b in stream]
+        exact = LoggingDataset(10)
+        with distributed(even_batches=False):
+            out["exact"] = [b[0].tolist() for b in DataLoader(exact, batch_size=3)]
+        # shuffling: identical on all ranks, new each epoch
+        loader3 = DataLoader(LoggingDataset(12), batch_size=1, shuffle=True)
+        torch.manual_seed(1000 + state().rank)  # ranks disagree; the scope makes them agree
+        out["epochs"] = [[int(b[0]) for b in loader3] for _ in range(2)]
+        out["world"] = world
+    return out
+
+
+def run_all(batch_size: int) -> dict[str, Any]:
+    return {
+        "equivalence": equivalence(batch_size),
+        "identity": identity_and_models(),
+        "sequential": sequential_scopes(batch_size),
+        "sharding": sharding(),
+    }
