@@ -74,7 +74,8 @@ class _IndexView:
 
     def __iter__(self) -> Iterator[Any]:
         plan = self._record.plan or ShardPlan()  # None: iterated outside any scope
-        return _ShardedIndices(self.original, plan)
+        indices = self._record.indices = _ShardedIndices(self.original, plan)
+        return indices
 
     def __len__(self) -> int:
         # the stock iterator's own len(): this rank's share while a scope is open
@@ -94,6 +95,8 @@ class _ShardedIndices:
         self._position = 0  # global batch index of the next batch from the source
         self._first_round: list[Any] = []
         self._padding: Iterator[Any] | None = None
+        self.handed_out = 0  # batches this rank got so far
+        self.padding_start: int | None = None  # first of them that is padding
 
     def prime(self) -> None:
         """Draw the sampler's randomness now (the source is otherwise built lazily)."""
@@ -115,6 +118,11 @@ class _ShardedIndices:
         return next(self._source, _EMPTY)
 
     def __next__(self) -> Any:
+        item = self._next()
+        self.handed_out += 1
+        return item
+
+    def _next(self) -> Any:
         plan = self.plan
         if plan.world == 1 and plan.skip == 0:
             item = self._pull()
@@ -126,6 +134,7 @@ class _ShardedIndices:
         while True:
             item = self._pull()
             if item is _EMPTY:
+                self.padding_start = self.handed_out
                 self._padding = iter(self._pad())
                 return next(self._padding)
             index = self._position
@@ -290,6 +299,8 @@ class ScopedIterator:
         self._first_round: list[Any] = []
         self._global = 0
         self._padding: list[Any] | None = None
+        self._pulled = 0  # own batches taken from the stock iterator (look-ahead included)
+        self._padding_start: int | None = None
 
     def __iter__(self) -> ScopedIterator:
         return self
@@ -310,6 +321,7 @@ class ScopedIterator:
             batch = next(self._it, _EMPTY)
             if batch is _EMPTY:
                 total = self._global - shard.skip
+                self._padding_start = self._pulled
                 self._padding = []
                 first_missing = total % shard.world
                 if shard.even and total and first_missing and shard.rank >= first_missing:
@@ -326,6 +338,14 @@ class ScopedIterator:
             if local % shard.world == shard.rank:
                 return batch
 
+    def _is_padding(self, index: int) -> bool:
+        if self._shard is not None:  # iterable dataset: padding made here
+            start = self._padding_start
+        else:  # map-style: padding made by the index view of this epoch
+            indices = self._record.indices
+            start = indices.padding_start if isinstance(indices, _ShardedIndices) else None
+        return start is not None and index >= start
+
     def __next__(self) -> Any:
         if self._exhausted:
             raise StopIteration
@@ -333,15 +353,18 @@ class ScopedIterator:
             batch, self._pending = self._pending, _EMPTY
         else:
             batch = self._pull_own()
+            self._pulled += 1
         if batch is _EMPTY:
             self._finish()
             raise StopIteration
         iteration = self._iteration
         iteration.index += 1
+        iteration.is_padding = self._is_padding(iteration.index)
         if iteration.length is not None:
             iteration.is_last = iteration.index >= iteration.length - 1
         else:  # unknown length: look one batch ahead to know whether this one is the last
             self._pending = self._pull_own()
+            self._pulled += 1
             iteration.is_last = self._pending is _EMPTY
         if not self._registered:
             self._session.loaders.append(iteration)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
@@ -58,6 +59,8 @@ class DistributedOptions:
     """Use SyncBatchNorm statistics across ranks for the scope (restored on exit)."""
     even_batches: bool = True
     """Pad the last round of batches by wrapping around so every rank gets as many batches."""
+    debug: bool = False
+    """Check collectives' shapes across ranks first (also on with ACCEL_CTX_DEBUG=1)."""
 
 
 class _Options(TypedDict, total=False):
@@ -72,6 +75,7 @@ class _Options(TypedDict, total=False):
     gradient_as_bucket_view: bool
     sync_batchnorm: bool
     even_batches: bool
+    debug: bool
 
 
 _OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
@@ -101,7 +105,7 @@ def _parse_options(options: dict[str, Any]) -> DistributedOptions:
     if backend is not None and not isinstance(backend, str):
         raise ConfigurationError(f"distributed(backend={backend!r}): give 'gloo' or 'nccl'.")
     for flag in ("find_unused_parameters", "static_graph", "broadcast_buffers",
-                 "gradient_as_bucket_view", "sync_batchnorm", "even_batches"):
+                 "gradient_as_bucket_view", "sync_batchnorm", "even_batches", "debug"):
         if flag in values and not isinstance(values[flag], bool):
             raise ConfigurationError(f"distributed({flag}={values[flag]!r}): give True or False.")
     return DistributedOptions(**values)
@@ -124,8 +128,8 @@ class distributed(Scope):
 
     Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
     ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
-    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``
-    (see :class:`DistributedOptions`).
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
+    ``debug`` (see :class:`DistributedOptions`).
 
     Example:
         >>> import torch
@@ -251,6 +255,7 @@ class DistributedRuntime:
         self.base: DistributedRuntime = base if base is not None else self
         self.rank = launch.rank
         self.world_size = launch.world_size
+        self.debug = options.debug or os.environ.get(_env.DEBUG_VAR, "") not in ("", "0")
         self.default_precision: PrecisionRuntime | None = (
             base.default_precision if base is not None else None
         )

@@ -166,12 +166,13 @@ class OptimizerRecord:
 class LoaderIteration:
     """One epoch of one DataLoader being iterated in this thread."""
 
-    __slots__ = ("index", "is_last", "length")
+    __slots__ = ("index", "is_last", "is_padding", "length")
 
     def __init__(self, length: int | None) -> None:
         self.length = length
         self.index = -1  # index of the batch handed out last
         self.is_last = False
+        self.is_padding = False  # that batch repeats earlier samples to even out the ranks
 
 
 class Session:
@@ -248,6 +249,7 @@ class LoaderRecord:
         "epoch",
         "epoch_plan",
         "epoch_start_rng",
+        "indices",
         "plan",
         "resume_rng",
         "resume_skip",
@@ -258,6 +260,7 @@ class LoaderRecord:
     def __init__(self) -> None:
         self.plan: Any = None  # set only while the stock iterator is being built in a scope
         self.view: Any = None  # the sharding view handed to the stock iterator
+        self.indices: Any = None  # the view's index iterator of the current epoch
         self.epoch = 0  # epochs started inside a scope
         self.epoch_plan: Any = None  # the sharding plan of the current epoch
         self.yielded = 0  # batches of the current epoch handed to the user on this rank
