@@ -179,13 +179,17 @@ def _pick_backend(options: DistributedOptions, device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def _rendezvous(launch: _env.LaunchEnv, options: DistributedOptions) -> Store:
+def _store_key(launch: _env.LaunchEnv, options: DistributedOptions) -> tuple[str, int, int]:
     init_method = options.init_method or launch.init_method
     target = init_method or f"tcp://{launch.master_addr}:{launch.master_port}"
-    key = (target, launch.rank, launch.world_size)
-    cached: Store | None = _state.cached_store(key)
+    return (target, launch.rank, launch.world_size)
+
+
+def _rendezvous(launch: _env.LaunchEnv, options: DistributedOptions) -> Store:
+    cached: Store | None = _state.cached_store(_store_key(launch, options))
     if cached is not None:
         return cached
+    init_method = options.init_method or launch.init_method
     timeout = options.timeout
     store: Store
     if init_method is not None:
@@ -203,7 +207,6 @@ def _rendezvous(launch: _env.LaunchEnv, options: DistributedOptions) -> Store:
             wait_for_workers=False,
             multi_tenant=True,
         )
-    _state.cache_store(key, store)
     return store
 
 
@@ -229,6 +232,8 @@ def _init_process_group(
             world_size=launch.world_size,
             timeout=options.timeout,
         )
+        # Kept for the process's next scopes only once a group formed with it.
+        _state.cache_store(_store_key(launch, options), base)
     except Exception as exc:
         raise RendezvousError(
             f"{where}: the process group did not form within {seconds:g} s ({exc}). Check that "

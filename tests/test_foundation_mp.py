@@ -122,3 +122,12 @@ def test_shuffling_is_shared_by_ranks_and_changes_each_epoch(ranks):
         union = sorted(i for r in results for i in r["sharding"]["epochs"][epoch])
         assert union == list(range(12))  # one permutation for all ranks
     assert results[0]["sharding"]["epochs"][0] != results[0]["sharding"]["epochs"][1]
+
+
+def test_persistent_workers_are_sharded_every_epoch(ranks):
+    world, results = ranks
+    for epoch in range(2):
+        seen = [i for r in results for i in r["sharding"]["persistent"][epoch]]
+        assert set(seen) == set(range(14))
+        assert len(seen) - 14 < 2 * world  # only the documented padding repeats samples
+    assert results[0]["sharding"]["persistent"][0] != results[0]["sharding"]["persistent"][1]

@@ -130,6 +130,10 @@ def sharding() -> dict[str, Any]:
         loader3 = DataLoader(LoggingDataset(12), batch_size=1, shuffle=True)
         torch.manual_seed(1000 + state().rank)  # ranks disagree; the scope makes them agree
         out["epochs"] = [[int(b[0]) for b in loader3] for _ in range(2)]
+        # worker processes that live across epochs, with pinned memory asked for
+        persistent = DataLoader(LoggingDataset(14), batch_size=2, shuffle=True, num_workers=2,
+                                persistent_workers=True, pin_memory=True)
+        out["persistent"] = [[int(i) for b in persistent for i in b[0]] for _ in range(2)]
         out["world"] = world
     return out
 
