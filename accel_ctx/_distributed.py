@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import warnings
 import weakref
 from contextlib import ExitStack
 from dataclasses import dataclass, fields
@@ -267,6 +268,8 @@ class DistributedRuntime:
         # Modules this (base) runtime adopted; records live on the modules themselves.
         self.adopted: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self._undo_batchnorm: list[tuple[nn.Module, str, nn.Module]] = []
+        self._warned_batchnorm = False
+        self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -325,8 +328,18 @@ class DistributedRuntime:
         trainable = any(p.requires_grad for p in module.parameters())
         engine = None
         if trainable and self.world_size > 1 and dist.is_initialized():
-            if self.options.sync_batchnorm:
+            if self.options.sync_batchnorm and self.device.type in ("cuda", "xpu"):
                 base._undo_batchnorm.extend(_convert_batchnorm(module))
+            elif self.options.sync_batchnorm and not base._warned_batchnorm:
+                base._warned_batchnorm = True
+                if self.rank == 0:
+                    warnings.warn(
+                        f"distributed(sync_batchnorm=True): SyncBatchNorm cannot run on "
+                        f"{self.device.type}; BatchNorm statistics stay per rank here. It takes "
+                        "effect on CUDA devices.",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
             engine = self._ddp(module)
         for sub in module.modules():
             _state.set_module_record(sub, _state.ModuleRecord(base, sub is module, engine))
@@ -338,8 +351,38 @@ class DistributedRuntime:
             return
         devices = {t.device.type for t in module.parameters()}
         devices.update(t.device.type for t in module.buffers())
-        if devices == {"cpu"}:  # modules the user placed themselves stay where they are
-            module.to(self.device)
+        if devices != {"cpu"}:  # modules the user placed themselves stay where they are
+            return
+        before = dict(module.named_parameters())
+        module.to(self.device)
+        # Some devices (meta, XLA, ...) get new Parameter objects: optimizers made before the
+        # move are pointed at them when accel_ctx first meets the optimizer.
+        for name, param in module.named_parameters():
+            old = before.get(name)
+            if old is not None and old is not param:
+                self.base._replaced[id(old)] = (weakref.ref(old), param)
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Point an optimizer at moved parameters and move its state along with them."""
+        replaced = self._replaced
+        for group in optimizer.param_groups:
+            for i, old in enumerate(group["params"]):
+                entry = replaced.get(id(old))
+                if entry is None or entry[0]() is not old:
+                    continue
+                new = entry[1]
+                group["params"][i] = new
+                state: dict[Any, Any] = optimizer.state
+                if old in state:
+                    state[new] = state.pop(old)
+        if self.device.type == "cpu":
+            return
+        for param, state in optimizer.state.items():
+            for key, value in state.items():
+                # 0-dim "step" counters of some optimizers stay on the CPU on purpose
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if isinstance(param, torch.Tensor) and value.device != param.device:
+                        state[key] = value.to(param.device)
 
     def _ddp(self, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         opts = self.options

@@ -304,6 +304,15 @@ def _skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return view
 
 
+def _optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> _state.OptimizerRecord:
+    record = stack.session.optimizers.get(optimizer)
+    if record is None:
+        record = stack.session.optimizer(optimizer)
+        if stack.dist is not None:  # first sight: follow the adopted models to their device
+            stack.dist.base.adopt_optimizer(optimizer)
+    return record
+
+
 def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     if optimizer.__dict__.get(_VIEW_MARK):
         return None
@@ -311,7 +320,7 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> An
     if stack is None:
         return None
     session = stack.session
-    record = session.optimizer(optimizer)
+    record = _optimizer_record(stack, optimizer)
     if record.depth and record.depth_mark == session.backward_calls:
         record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
         return None
@@ -351,7 +360,7 @@ def _zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     stack = _state.current()
     if stack is not None:
         if isinstance(instance, torch.optim.Optimizer):
-            stack.session.optimizer(instance)  # known from now on (clipping under fp16)
+            _optimizer_record(stack, instance)  # known from now on (clipping under fp16)
         accumulation = stack.accumulate
         if accumulation is not None and not accumulation.sync_gradients:
             return None  # mid-group: the accumulated gradients must stay

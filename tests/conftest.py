@@ -65,3 +65,12 @@ def no_state_left_behind():
     except AssertionError as exc:
         problems.append(str(exc))
     assert not problems, "; ".join(problems)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (NCCL, CUDA autocast); none here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -75,6 +75,11 @@ def test_scopes_one_after_another(ranks):
     assert all(r["sequential"]["pg_after"] is False for r in results)
 
 
+def test_sync_batchnorm_on_cpu_warns_once_on_rank_zero(ranks):
+    _, results = ranks
+    assert [r["sequential"]["syncbn_warned"] for r in results] == [True] + [False] * (len(results) - 1)
+
+
 def _flatten(batches):
     return [i for b in batches for i in (b if isinstance(b, list) else [b])]
 

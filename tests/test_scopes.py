@@ -242,3 +242,15 @@ def test_loss_outside_forward_and_f_functional():
         out = model(torch.randn(2, 4))
         loss = F.cross_entropy(out, torch.tensor([0, 1]))
         assert out.dtype == torch.float32 and loss.dtype == torch.float32
+
+
+def test_optimizer_state_follows_the_adopted_model_to_its_device():
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()  # Adam's state now lives on the CPU, as after loading a checkpoint
+    opt.zero_grad()
+    with distributed(device="meta"):
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        assert opt.state[model.weight]["exp_avg"].device.type == "meta"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -103,6 +104,12 @@ def sequential_scopes(batch_size: int) -> dict[str, Any]:
             sweep.append(params(train("mlp", batch_size, epochs=1, lr=lr)))
     out["sweep"] = sweep
     out["pg_after"] = dist.is_initialized()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with distributed(sync_batchnorm=True):
+            bn = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+            bn(torch.randn(8, 4)).sum().backward()
+    out["syncbn_warned"] = any("SyncBatchNorm cannot run" in str(w.message) for w in caught)
     return out
 
 
