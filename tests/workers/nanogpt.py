@@ -194,7 +194,7 @@ def train_by_hand() -> dict[str, Any]:
             for micro_step in range(ACCUM):
                 model.require_backward_grad_sync = micro_step == ACCUM - 1
                 with ctx:
-                    logits, loss = model(X, Y)
+                    _logits, loss = model(X, Y)
                     loss = loss / ACCUM
                 X, Y = get_batch(data_rng)
                 scaler.scale(loss).backward()
