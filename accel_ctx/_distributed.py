@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import gc
 import inspect
 import os
 import warnings
@@ -295,6 +296,7 @@ class DistributedRuntime:
             exits.callback(torch.cuda.set_device, previous)
         runtime = cls(launch, device, backend, options, None)
         exits.callback(runtime._release_modules)
+        exits.push(runtime._announce_failure)
         runtime.default_precision = precision_from_env(device, exits)
         return runtime
 
@@ -380,9 +382,9 @@ class DistributedRuntime:
         for param, state in optimizer.state.items():
             for key, value in state.items():
                 # 0-dim "step" counters of some optimizers stay on the CPU on purpose
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if isinstance(param, torch.Tensor) and value.device != param.device:
-                        state[key] = value.to(param.device)
+                moves = isinstance(value, torch.Tensor) and value.dim() > 0
+                if moves and value.device != param.device:
+                    state[key] = value.to(param.device)
 
     def _ddp(self, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         opts = self.options
@@ -416,12 +418,32 @@ class DistributedRuntime:
                 _state.set_module_record(sub, None)
         self.adopted.discard(module)
 
+    def _announce_failure(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> bool:
+        """Leaving by an exception: the other ranks' next sync point fails at once, naming us."""
+        if exc is not None and self.world_size > 1 and dist.is_initialized():
+            from ._barrier import announce_failure
+
+            announce_failure(
+                self, f"rank {self.rank} left distributed() with {type(exc).__name__}: {exc}"
+            )
+        return False
+
     def _release_modules(self) -> None:
         for parent, name, original in reversed(self._undo_batchnorm):
             setattr(parent, name, original)
         self._undo_batchnorm.clear()
+        engines = False
         for module in list(self.adopted):
+            record = _state.module_record(module)
+            engines = engines or (record is not None and record.engine is not None)
             self._release(module)
+        if engines:
+            # DDP engines sit in reference cycles; free them (and the process group they hold)
+            # now, before the group is destroyed, rather than at interpreter shutdown, where
+            # gloo's teardown can abort the process.
+            gc.collect()
 
 
 def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:

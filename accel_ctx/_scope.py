@@ -15,6 +15,7 @@ import inspect
 from collections.abc import Callable, Coroutine, Generator
 from contextlib import ExitStack
 from contextvars import Token
+from types import TracebackType
 from typing import Any, ClassVar, TypeVar, cast
 
 import wrapt
@@ -87,12 +88,18 @@ class Scope:
         self._entries.append(entry)
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         entry = self._pop_entry()
         try:
             self._deactivate(entry)
         finally:
-            entry.exits.close()
+            # the teardown sees the exception (distributed() tells the other ranks about it)
+            entry.exits.__exit__(exc_type, exc, tb)
 
     def _pop_entry(self) -> _Entry:
         thread = _state._get_ident()

@@ -10,10 +10,11 @@ threads) too. The patch registry in ``_patches`` is the only other process-wide 
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -190,6 +191,18 @@ class Session:
             weakref.WeakKeyDictionary()
         )
         self.loaders: list[LoaderIteration] = []
+        # DataLoaders in the order of their first iteration in this session, and what runs at
+        # each first iteration (a checkpoint's positions for loaders it knows by that order).
+        self.loader_order: list[weakref.ref[Any]] = []
+        self.loader_hooks: list[Callable[[Any, LoaderRecord], None]] = []
+
+    def first_iteration(self, loader: Any, record: LoaderRecord) -> None:
+        """Note ``loader`` when it is iterated for the first time in this session."""
+        if any(ref() is loader for ref in self.loader_order):
+            return
+        self.loader_order.append(weakref.ref(loader))
+        for hook in list(self.loader_hooks):
+            hook(loader, record)
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         record = self.optimizers.get(optimizer)
@@ -317,7 +330,14 @@ def cached_store(key: tuple[str, int, int]) -> Any | None:
 
 def cache_store(key: tuple[str, int, int], store: Any) -> None:
     with _process_lock:
+        if not _stores:  # close them before interpreter teardown, not during it
+            atexit.register(_close_stores)
         _stores[key] = store
+
+
+def _close_stores() -> None:
+    with _process_lock:
+        _stores.clear()
 
 
 def next_pg_generation() -> int:

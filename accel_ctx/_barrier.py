@@ -1,0 +1,160 @@
+"""Sync points through the rendezvous store: barriers that know when a peer has failed.
+
+``dist.barrier()`` waits for a peer that failed in code only it ran (an ``@on_main_process``
+function, the first half of ``main_process_first()``) until the timeout, ten minutes by default.
+These barriers are made of store keys instead: the failing rank marks the next sync point as
+failed, and every rank waiting there (or arriving later) raises at once, naming it. In debug
+mode the same points carry each rank's description of a collective, compared before torch runs.
+
+The n-th sync point of a process group (every rank counts its own; all run the same program):
+
+* rank r writes ``n/arrived/r`` (what it waits in), then adds 1 to ``n/count``; the rank that
+  brings the count to the world size writes ``n/done = "ok"``;
+* a failing rank writes ``n/done = "failed: ..."`` for the point it would join next
+  (``compare_set``: the first failure wins, and a completed point cannot be overwritten);
+* every rank waits for ``n/done`` and reads it.
+
+Keys of point n-1 are deleted once point n completes: by then every rank has posted at n, so
+nobody reads n-1 any more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch._C._distributed_c10d import Store
+
+from .errors import DistributedError
+
+if TYPE_CHECKING:
+    from ._distributed import DistributedRuntime
+
+_OK = "ok"
+_FAILED = "failed: "
+
+
+class _SyncRecord:
+    """Sync-point bookkeeping of one process group (one base ``DistributedRuntime``)."""
+
+    __slots__ = ("completed", "pending", "prefix", "store")
+
+    def __init__(self, prefix: str, store: Store) -> None:
+        self.prefix = prefix
+        self.store = store
+        self.completed = 0  # sync points passed
+        self.pending = 0  # the point being waited at (0: none)
+
+
+# Keyed by the base runtime: nested distributed() scopes share their outer scope's group.
+_records: weakref.WeakKeyDictionary[DistributedRuntime, _SyncRecord] = (
+    weakref.WeakKeyDictionary()
+)
+# A process group the user formed outside accel_ctx is reused by later scopes with the same
+# store, so each scope counts its points under a prefix of its own. Every rank opens the same
+# scopes in the same order, so the numbers agree without talking.
+_generations = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _record(runtime: DistributedRuntime) -> _SyncRecord:
+    base = runtime.base
+    with _lock:
+        record = _records.get(base)
+        if record is None:
+            store = dist.distributed_c10d._get_default_store()
+            record = _records[base] = _SyncRecord(f"accel_ctx/sync/{next(_generations)}", store)
+        return record
+
+
+def sync_point(
+    runtime: DistributedRuntime, label: str, signature: str | None = None, read: bool = False
+) -> list[str]:
+    """Wait until every rank reaches its matching sync point.
+
+    ``label`` names the call for messages ("wait_for_everyone()"); ``signature`` is what this
+    rank says about it (defaults to the label). ``read=True`` returns every rank's signature, in
+    rank order, for the caller to compare (debug mode); otherwise an empty list.
+    """
+    record = _record(runtime)
+    store, rank, world = record.store, runtime.rank, runtime.world_size
+    n = record.completed + 1
+    record.pending = n
+    point = f"{record.prefix}/{n}"
+    timeout = runtime.options.timeout
+    try:
+        store.set(f"{point}/arrived/{rank}", signature if signature is not None else label)
+        if store.add(f"{point}/count", 1) == world:
+            store.compare_set(f"{point}/done", "", _OK)
+        store.wait([f"{point}/done"], timeout)
+        verdict = store.get(f"{point}/done").decode()
+        if verdict != _OK:
+            raise DistributedError(
+                f"rank {rank}: {label} cannot complete because {verdict[len(_FAILED):]}. This "
+                "rank stops here instead of waiting for it; see that rank's traceback for the "
+                "cause. A failure in rank-only code ends the job even if that rank catches it: "
+                "handle recoverable errors inside the function."
+            )
+        signatures = [] if not read else [
+            v.decode() for v in store.multi_get([f"{point}/arrived/{r}" for r in range(world)])
+        ]
+    except RuntimeError as exc:
+        if isinstance(exc, DistributedError):
+            raise
+        # A timeout, or the store's host (rank 0 with a TCP store) went away.
+        raise DistributedError(_stalled(record, point, rank, world, label, timeout.total_seconds(),
+                                         exc)) from exc
+    finally:
+        record.pending = 0
+    record.completed = n
+    _forget(record, n - 1, rank)
+    return signatures
+
+
+def _stalled(
+    record: _SyncRecord, point: str, rank: int, world: int, label: str, seconds: float,
+    exc: BaseException,
+) -> str:
+    try:
+        missing = [
+            r for r in range(world) if not record.store.check([f"{point}/arrived/{r}"])
+        ]
+    except RuntimeError:
+        return (
+            f"rank {rank}: {label} lost the rendezvous store ({exc}). The rank hosting it (rank "
+            "0 with a TCP store) has most likely exited: see its output for the cause."
+        )
+    return (
+        f"rank {rank}: {label} waited {seconds:g} s for rank(s) {missing}, which never arrived "
+        f"({exc}). They are stuck, dead, or skipped this call: every rank must make the same "
+        "sequence of wait_for_everyone()/collective calls. See their output; raise "
+        "distributed(timeout=...) if they are only slow."
+    )
+
+
+def _forget(record: _SyncRecord, n: int, rank: int) -> None:
+    if n < 1:
+        return
+    point = f"{record.prefix}/{n}"
+    with contextlib.suppress(RuntimeError):  # a store without deletion only grows
+        record.store.delete_key(f"{point}/arrived/{rank}")
+        if rank == 0:
+            record.store.delete_key(f"{point}/count")
+            record.store.delete_key(f"{point}/done")
+
+
+def announce_failure(runtime: DistributedRuntime, what: str) -> None:
+    """Mark the next sync point failed: the ranks waiting there raise, naming ``what``.
+
+    Called while an exception propagates, so it never raises itself.
+    """
+    if runtime.world_size == 1:
+        return
+    with contextlib.suppress(Exception):
+        record = _record(runtime)
+        n = record.pending or record.completed + 1
+        record.store.compare_set(f"{record.prefix}/{n}/done", "", _FAILED + what)

@@ -1,0 +1,94 @@
+"""Output once per job: main_print, and get_logger (standard logging; per rank on request)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import _state
+
+if TYPE_CHECKING:
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:
+    _Adapter = logging.LoggerAdapter
+
+
+def _rank_world() -> tuple[int, int]:
+    stack = _state.current()
+    runtime = stack.dist if stack is not None else None
+    return (runtime.rank, runtime.world_size) if runtime is not None else (0, 1)
+
+
+class _RankLogger(_Adapter):
+    """A LoggerAdapter deciding per call, from the scope, whether this rank logs."""
+
+    def __init__(self, logger: logging.Logger, all_ranks: bool) -> None:
+        super().__init__(logger, {})
+        self.all_ranks = all_ranks
+
+    def isEnabledFor(self, level: int) -> bool:
+        if not self.all_ranks and _rank_world()[0] != 0:
+            return False
+        return self.logger.isEnabledFor(level)
+
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        rank, world = _rank_world()
+        kwargs["extra"] = {"rank": rank, "world_size": world, **(kwargs.get("extra") or {})}
+        if self.all_ranks and world > 1:
+            msg = f"[rank {rank}/{world}] {msg}"
+        return msg, kwargs
+
+
+def get_logger(
+    name: str | None = None, *, all_ranks: bool = False, level: int | str | None = None
+) -> logging.LoggerAdapter[logging.Logger]:
+    """A standard logger (``logging.getLogger(name)`` underneath) that logs on rank 0 only.
+
+    The rank is read at each call, so one module-level logger serves inside and outside
+    ``distributed()``. ``all_ranks=True``: every rank logs, each message prefixed with
+    ``[rank r/W]`` when there are several. Every record carries ``rank`` and ``world_size``
+    attributes for formatters (``%(rank)s``). Handlers and levels are the standard ones:
+    configure ``logging`` as usual; ``level`` sets the underlying logger's level.
+
+    Example:
+        >>> import logging, sys
+        >>> from accel_ctx import get_logger
+        >>> handler = logging.StreamHandler(sys.stdout)
+        >>> handler.setFormatter(logging.Formatter("%(rank)s %(message)s"))
+        >>> logging.getLogger("train").addHandler(handler)
+        >>> log = get_logger("train", level="INFO")
+        >>> log.info("epoch %d", 1)
+        0 epoch 1
+        >>> logging.getLogger("train").removeHandler(handler)
+    """
+    logger = logging.getLogger(name)
+    if level is not None:
+        logger.setLevel(level)
+    return _RankLogger(logger, all_ranks)
+
+
+class _Writable(Protocol):
+    def write(self, text: str, /) -> Any: ...
+    def flush(self) -> Any: ...
+
+
+def main_print(
+    *values: object, sep: str | None = " ", end: str | None = "\n",
+    file: _Writable | None = None, flush: bool = False,
+) -> None:
+    """``print()`` on the main process (rank 0 of the job) only; the other ranks print nothing.
+
+    Same arguments as the built-in ``print``, which it calls; it does not synchronise the ranks.
+    Named ``main_print`` rather than ``print`` so that ``from accel_ctx import *`` never
+    shadows the built-in. For leveled, per-rank output use :func:`get_logger`.
+
+    Example:
+        >>> from accel_ctx import main_print
+        >>> main_print("epoch", 1, "done")
+        epoch 1 done
+    """
+    if _rank_world()[0] == 0:
+        print(*values, sep=sep, end=end, file=file, flush=flush)

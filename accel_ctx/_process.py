@@ -1,0 +1,313 @@
+"""Code that only some ranks run, and the points where all ranks meet.
+
+The rank tests are made when the code runs, never when a function is decorated, and read the
+innermost ``distributed()`` scope like :func:`~accel_ctx.state` does: outside any scope a process
+is rank 0 of 1, so main-process code simply runs. So is a thread, or a DataLoader worker, that has
+no scope of its own: call rank-only code from the thread that opened the scope.
+
+What happens when rank-only code fails: an exception escaping an ``@on_main_process`` (& co.)
+function, an ``on_main_process()`` (& co.) block or a ``main_process_first()`` block is
+announced to the other ranks before it propagates. They do not wait for a rank that will never
+come: their next ``wait_for_everyone()`` (in debug mode, their next collective) raises
+:class:`~accel_ctx.errors.DistributedError` naming the failed rank, the function and the
+exception, within moments. The failure is fatal to the job even if the failing rank catches the
+exception and goes on (it raises at that point too): handle recoverable errors inside the
+function. Code that fails under a plain ``if state().is_main_process:`` is not announced; the
+other ranks then wait ``distributed(timeout=...)`` and raise an error naming the missing rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import warnings
+from collections.abc import Callable, Coroutine, Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+
+import wrapt
+from typing_extensions import ParamSpec
+
+from . import _barrier, _debug, _state
+from .errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from ._distributed import DistributedRuntime
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _position() -> tuple[DistributedRuntime | None, int, int, int, int]:
+    """(runtime, rank, world size, local rank, local world size), as state() would say."""
+    stack = _state.current()
+    runtime = stack.dist if stack is not None else None
+    if runtime is None:
+        return None, 0, 1, 0, 1
+    launch = runtime.launch
+    return runtime, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size
+
+
+def _announce(where: str, exc: BaseException) -> None:
+    runtime, rank, world, _, _ = _position()
+    if runtime is not None and world > 1:
+        failure = f"rank {rank} raised {type(exc).__name__}: {exc} {where}"
+        _barrier.announce_failure(runtime, failure)
+
+
+class ProcessFilter:
+    """Runs code on the ranks it names: a decorator, or a ``with`` block that says whether to act.
+
+    Made by :func:`on_main_process`, :func:`on_local_main_process`, :func:`on_process` and
+    :func:`on_last_process`. A ``with`` block cannot skip its body in Python, so the block runs
+    on every rank and ``as`` gives ``True`` on the named ranks; test it. What the block adds over
+    a plain ``if``: an exception escaping it is announced to the other ranks (see the module).
+
+    Example:
+        >>> from accel_ctx import on_main_process
+        >>> with on_main_process() as here:
+        ...     if here:
+        ...         print("only rank 0 gets here")
+        only rank 0 gets here
+    """
+
+    def __init__(self, label: str, selects: Callable[[int, int, int, int], bool],
+                 rank: int | None = None) -> None:
+        self.label = label
+        self._selects = selects
+        self._rank = rank  # on_process(rank): warn when the job has no such rank
+
+    def selected(self) -> bool:
+        """Whether this process is one of the named ranks, now."""
+        return self._selects(*_position()[1:])
+
+    @overload
+    def __call__(
+        self, fn: Callable[P, Coroutine[Any, Any, R]]
+    ) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+    @overload
+    def __call__(self, fn: Callable[P, R]) -> Callable[P, R | None]: ...
+    def __call__(self, fn: Callable[P, Any]) -> Callable[P, Any]:
+        if isinstance(fn, type) or not callable(fn):
+            what = f"the class {fn.__qualname__}" if isinstance(fn, type) else type(fn).__name__
+            raise TypeError(
+                f"{self.label} decorates functions and methods, not {what}; decorate a def."
+            )
+        if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+            raise TypeError(
+                f"{self.label} cannot decorate the generator function {fn.__qualname__}: the "
+                "other ranks would get None instead of an iterator. Test "
+                "`state().is_main_process` (or the like) inside it, or decorate the function "
+                "that consumes it."
+            )
+        where = f"in {fn.__qualname__}() (run by {self.label} on that rank only)"
+        warned: list[bool] = []
+        is_coroutine = inspect.iscoroutinefunction(fn)
+
+        def run(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
+            _, rank, world, local_rank, local_world = _position()
+            if not self._selects(rank, world, local_rank, local_world):
+                if self._rank is not None and self._rank >= world and rank == 0 and not warned:
+                    warned.append(True)
+                    warnings.warn(
+                        f"{fn.__qualname__}() never runs: {self.label} names rank {self._rank} "
+                        f"but the job has {world} process(es). Start more processes or pick a "
+                        "rank below the world size.",
+                        stacklevel=2,
+                    )
+                return _skipped() if is_coroutine else None
+            if is_coroutine:
+                return _guarded(wrapped(*args, **kwargs), where)
+            try:
+                return wrapped(*args, **kwargs)
+            except BaseException as exc:
+                _announce(where, exc)
+                raise
+
+        return cast(Callable[P, Any], wrapt.FunctionWrapper(fn, run))
+
+    def __enter__(self) -> bool:
+        return self.selected()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            name = self.label.lstrip("@")
+            _announce(f"in an {name if name.endswith(')') else name + '()'} block", exc)
+
+
+async def _skipped() -> None:
+    return None
+
+
+async def _guarded(coroutine: Any, where: str) -> Any:
+    try:
+        return await coroutine
+    except BaseException as exc:
+        _announce(where, exc)
+        raise
+
+
+def _check_decorated(name: str, fn: object) -> None:
+    if fn is not None and not callable(fn):
+        raise TypeError(f"{name}() takes no arguments: write @{name} or @{name}().")
+
+
+@overload
+def on_main_process(
+    fn: Callable[P, Coroutine[Any, Any, R]], /
+) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+@overload
+def on_main_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+@overload
+def on_main_process() -> ProcessFilter: ...
+def on_main_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None] | ProcessFilter:
+    """Run the function on the main process (rank 0 of the job) only; elsewhere it returns None.
+
+    Write ``@on_main_process`` or ``@on_main_process()``; methods work too. The rank is read at
+    each call. ``with on_main_process() as here:`` runs its body everywhere and gives ``here``
+    (see :class:`ProcessFilter`). An exception escaping the function is announced to the other
+    ranks, whose next ``wait_for_everyone()`` then raises instead of waiting forever.
+
+    Example:
+        >>> from accel_ctx import on_main_process
+        >>> @on_main_process
+        ... def report(loss):
+        ...     return f"loss {loss:.2f}"
+        >>> report(0.5)  # one process: rank 0, so it runs
+        'loss 0.50'
+    """
+    _check_decorated("on_main_process", fn)
+    selector = ProcessFilter("@on_main_process", lambda r, w, lr, lw: r == 0)
+    return selector if fn is None else selector(fn)
+
+
+@overload
+def on_local_main_process(
+    fn: Callable[P, Coroutine[Any, Any, R]], /
+) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+@overload
+def on_local_main_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+@overload
+def on_local_main_process() -> ProcessFilter: ...
+def on_local_main_process(
+    fn: Callable[P, R] | None = None, /
+) -> Callable[P, R | None] | ProcessFilter:
+    """Run the function on the first process of each machine only; elsewhere it returns None.
+
+    For per-machine work (a local cache, a progress bar per node). Same forms and failure
+    handling as :func:`on_main_process`.
+
+    Example:
+        >>> from accel_ctx import on_local_main_process
+        >>> @on_local_main_process()
+        ... def prepare_cache():
+        ...     return "ready"
+        >>> prepare_cache()
+        'ready'
+    """
+    _check_decorated("on_local_main_process", fn)
+    selector = ProcessFilter("@on_local_main_process", lambda r, w, lr, lw: lr == 0)
+    return selector if fn is None else selector(fn)
+
+
+@overload
+def on_last_process(
+    fn: Callable[P, Coroutine[Any, Any, R]], /
+) -> Callable[P, Coroutine[Any, Any, R | None]]: ...
+@overload
+def on_last_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
+@overload
+def on_last_process() -> ProcessFilter: ...
+def on_last_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None] | ProcessFilter:
+    """Run the function on the last process (rank world_size - 1) only; elsewhere it returns None.
+
+    Same forms and failure handling as :func:`on_main_process`.
+
+    Example:
+        >>> from accel_ctx import on_last_process
+        >>> @on_last_process
+        ... def last():
+        ...     return "last"
+        >>> last()  # one process: rank 0 is also the last
+        'last'
+    """
+    _check_decorated("on_last_process", fn)
+    selector = ProcessFilter("@on_last_process", lambda r, w, lr, lw: r == w - 1)
+    return selector if fn is None else selector(fn)
+
+
+def on_process(rank: int) -> ProcessFilter:
+    """Run the function on the process of the given rank only; elsewhere it returns None.
+
+    Use as ``@on_process(1)`` or ``with on_process(1) as here:``. If the job has no such rank
+    the function never runs, and rank 0 warns once. Same failure handling as
+    :func:`on_main_process`.
+
+    Example:
+        >>> from accel_ctx import on_process
+        >>> @on_process(0)
+        ... def first():
+        ...     return "rank 0"
+        >>> first()
+        'rank 0'
+    """
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        hint = " (write @on_process(1), with the rank)" if callable(rank) else ""
+        raise ConfigurationError(f"on_process(rank={rank!r}): give a rank >= 0{hint}.")
+    return ProcessFilter(f"@on_process({rank})", lambda r, w, lr, lw: r == rank, rank)
+
+
+def wait_for_everyone() -> None:
+    """Wait until every process of the job reaches this call; at once in a single process.
+
+    Unlike ``dist.barrier()`` it knows about failures: when a rank failed in rank-only code
+    (``@on_main_process`` & co., ``main_process_first()``), every rank raises
+    :class:`~accel_ctx.errors.DistributedError` here naming that rank, instead of waiting for it
+    until the timeout. A rank that never arrives is named after ``distributed(timeout=...)``.
+
+    Example:
+        >>> from accel_ctx import distributed, wait_for_everyone
+        >>> with distributed():
+        ...     wait_for_everyone()
+    """
+    runtime, _, world, _, _ = _position()
+    if runtime is not None and world > 1:
+        _debug.barrier(runtime, "wait_for_everyone()")
+
+
+@contextlib.contextmanager
+def main_process_first(*, local: bool = False) -> Iterator[None]:
+    """Run the block on the main process first, then on the others (downloads, preprocessing).
+
+    The other ranks wait at the start of the block until the main process has left it, so they
+    find its results (a downloaded file, a filled cache). ``local=True``: the first process of
+    each machine goes first instead. If the main process fails inside the block, the waiting
+    ranks raise :class:`~accel_ctx.errors.DistributedError` naming it instead of waiting (a
+    failure on another rank is announced too, to their next ``wait_for_everyone()``). Also
+    usable as a decorator: ``@main_process_first()``.
+
+    Example:
+        >>> from accel_ctx import distributed, main_process_first
+        >>> with distributed(), main_process_first():
+        ...     data = list(range(3))  # e.g. download and cache the data set
+        >>> data
+        [0, 1, 2]
+    """
+    runtime, rank, world, local_rank, _ = _position()
+    if runtime is None or world == 1:
+        yield
+        return
+    label = f"main_process_first({'local=True' if local else ''})"
+    first = (local_rank if local else rank) == 0
+    if not first:
+        _debug.barrier(runtime, label)
+    try:
+        yield
+    except BaseException as exc:
+        _announce(f"inside {label}" + (", which the other ranks wait for" if first else ""), exc)
+        raise
+    if first:
+        _debug.barrier(runtime, label)
