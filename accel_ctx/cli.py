@@ -1,116 +1,171 @@
-"""The ``accel-ctx`` command: ``accel-ctx launch -n N script.py args...``.
+"""The ``accel-ctx`` command: ``launch``, ``config`` and ``env``.
 
-``launch`` runs the script on N processes per node through torchrun's engine
-(``torch.distributed.run``); every torchrun flag placed before the script is passed through.
+``launch`` runs a script on N processes per node through torchrun's engine
+(``torch.distributed.run``, in this process); every torchrun flag placed before the script is
+passed through. This module imports only the standard library until it hands over to torchrun.
+
+Example:
+    >>> from accel_ctx.cli import main
+    >>> main(["--help"])  # doctest: +ELLIPSIS
+    usage: accel-ctx ...
+    0
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from . import _env
+from . import _config
+from .errors import AccelCtxError
 
-_FRIENDLY = {"-n": "--nproc-per-node", "--nproc": "--nproc-per-node"}
+USAGE = """\
+usage: accel-ctx {launch,config,env} ...
 
+  accel-ctx launch [-n N] [options] script.py [args...]   run a script on N processes per node
+  accel-ctx config [--show] [settings]                     write launcher defaults (TOML)
+  accel-ctx env                                            versions, devices, config in force
 
-def _torchrun_parser() -> argparse.ArgumentParser:
-    from torch.distributed.run import get_args_parser
+`accel-ctx COMMAND --help` tells more.
+"""
 
-    return get_args_parser()
+LAUNCH_HELP = """\
+usage: accel-ctx launch [-n N|auto] [--nnodes N] [--node-rank R] [--master HOST:PORT]
+                        [--mixed-precision no|bf16|fp16] [--max-restarts K] [--config FILE]
+                        [torchrun flags] script.py [script args...]
 
+Runs script.py on every process through torchrun (torch.distributed.run); distributed() in the
+script finds the job from the variables torchrun sets.
 
-def split_launch_args(argv: Sequence[str]) -> tuple[list[str], dict[str, str], list[str]]:
-    """Split ``launch`` arguments into (torchrun flags, our settings, [script, *script args])."""
-    parser = _torchrun_parser()
-    takes_value = {
-        option: action.nargs != 0
-        for action in parser._actions
-        for option in action.option_strings
-    }
-    ours: dict[str, str] = {}
-    flags: list[str] = []
-    i = 0
-    args = list(argv)
-    while i < len(args):
-        token = args[i]
-        if token == "--":
-            i += 1
-            break
-        if not token.startswith("-"):
-            break
-        name, eq, inline = token.partition("=")
-        if name in ("--mixed-precision", "--mixed_precision"):
-            value = inline if eq else _value(args, i, name)
-            ours["mixed_precision"] = value
-            i += 1 if eq else 2
-            continue
-        name = _FRIENDLY.get(name, name)
-        if name not in takes_value:
-            raise SystemExit(
-                f"accel-ctx launch: unknown option {token!r}; options go before the script "
-                "(see `accel-ctx launch --help`)."
-            )
-        if takes_value[name] and not eq:
-            flags += [name, _value(args, i, name)]
-            i += 2
-        else:
-            flags.append(f"{name}={inline}" if eq else name)
-            i += 1
-    rest = args[i:]
-    if not rest:
-        raise SystemExit("accel-ctx launch: give the script to run, e.g. `accel-ctx launch -n 2 train.py`.")
-    return flags, ours, rest
+  -n, --nproc N        processes PER NODE (torchrun's --nproc-per-node): with --nnodes 2,
+                       -n 4 starts 8 processes in all. 'auto' (the default): one per local
+                       GPU, else 1.
+  --nnodes N           machines in the job (MIN:MAX for an elastic job). Run the same command
+                       on each machine, with its own --node-rank.
+  --node-rank R        this machine's index; node 0 hosts the rendezvous and must be the
+                       --master host. Ranks are then numbered by torch's c10d rendezvous.
+  --master HOST:PORT   where the machines meet (c10d rendezvous on node 0). Without it a
+                       single machine meets on 127.0.0.1, on a free port.
+  --mixed-precision P  default policy of mixed_precision() / distributed() in the script
+                       (sets ACCEL_CTX_MIXED_PRECISION): no, bf16 or fp16.
+  --max-restarts K     restart all workers up to K times after one fails; with 0 (the
+                       default) a failed rank ends the job and is named.
+  --config FILE        read defaults from FILE only.
 
+Any other option before the script is torchrun's and passes through unchanged (--rdzv-conf,
+--log-dir, --redirects, --monitor-interval, ...; see `torchrun --help`). torchrun's own
+rendezvous flags (--rdzv-endpoint, --standalone, --master-addr, ...) replace --master.
 
-def _value(args: list[str], i: int, name: str) -> str:
-    if i + 1 >= len(args):
-        raise SystemExit(f"accel-ctx launch: {name} needs a value.")
-    return args[i + 1]
-
-
-_LAUNCH_HELP = """\
-usage: accel-ctx launch [-n N] [--mixed-precision {bf16,fp16,no}] [torchrun flags] script.py [args...]
-
-Runs script.py on N processes on this machine through torchrun (torch.distributed.run).
--n/--nproc counts processes PER NODE, as torchrun's --nproc-per-node does (with --nnodes 2,
--n 4 gives 8 processes in all). Every torchrun flag (--nnodes, --rdzv-endpoint,
---max-restarts, ...) works when placed before the script; see `torchrun --help`.
---mixed-precision sets the default of mixed_precision() / distributed() in the script.
+Defaults, highest priority first: these flags; with --config FILE that file alone; else
+./accel-ctx.toml (searched upwards to the project root), then ~/.config/accel-ctx/config.toml
+($XDG_CONFIG_HOME). Under srun with one task per node, --nnodes, --node-rank and --master
+come from SLURM. Write the files with `accel-ctx config`.
 """
 
 
-def launch_main(argv: Sequence[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_LAUNCH_HELP)
-        return 0
-    flags, ours, rest = split_launch_args(argv)
-    if "mixed_precision" in ours:
-        from ._precision import _policy_name
+def torchrun_arity() -> dict[str, bool]:
+    """torchrun's options and whether each takes a value, read from its own parser."""
+    from torch.distributed.run import get_args_parser
 
-        os.environ[_env.MIXED_PRECISION_VAR] = _policy_name(ours["mixed_precision"])
+    return {
+        option: action.nargs != 0
+        for action in get_args_parser()._actions
+        for option in action.option_strings
+    }
+
+
+def launch_main(argv: Sequence[str]) -> int:
+    """Run ``accel-ctx launch``."""
+    from . import _launch_args
+
+    try:
+        arity = torchrun_arity()
+        if _launch_args.parse(argv, arity).help or not argv:
+            print(LAUNCH_HELP, end="")
+            return 0
+        plan = _launch_args.plan(argv, arity, os.environ)
+    except AccelCtxError as exc:
+        return _config.fail("launch", exc)
+    os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
+    return run_torchrun(plan.torchrun_args, plan.settings)
+
+
+def run_torchrun(args: list[str], settings: dict[str, Any]) -> int:
+    """Hand over to torchrun; turn its failures into one clear message and an exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main([*flags, *rest])
-    except ChildFailedError:
-        return 1  # torchrun already printed which rank failed and why
+        torchrun_main(args)
+    except ChildFailedError as exc:
+        print(describe_failure(exc, settings.get("max_restarts", 0)), file=sys.stderr)
+        return 1
+    except RendezvousError as exc:
+        where = args[args.index("--rdzv-endpoint") + 1] if "--rdzv-endpoint" in args else "?"
+        detail = f": {exc}" if str(exc) else ""
+        print(
+            f"accel-ctx launch: the rendezvous at {where} did not complete with "
+            f"{settings.get('nnodes', 1)} node(s) ({type(exc).__name__}{detail}). Start the "
+            "same command on every node, with the same --master and --nnodes and its own "
+            "--node-rank; how long the nodes wait for each other is `--rdzv-conf "
+            "join_timeout=SECONDS` (default 600).",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
+def describe_failure(exc: Any, max_restarts: int) -> str:
+    """torchrun's failure table, then one line naming the rank that failed first and why."""
+    rank, failure = exc.get_first_failure()
+    if failure.exitcode < 0:
+        how = f"was killed by signal {failure.signal_name()}"
+    else:
+        how = f"exited with code {failure.exitcode} (its output is above)"
+    retry = (
+        f" after {max_restarts} restart(s)" if max_restarts
+        else "; add --max-restarts K to restart the workers after a crash"
+    )
+    return (
+        f"{exc.format_msg()}\naccel-ctx launch: rank {rank} (local rank {failure.local_rank}, "
+        f"pid {failure.pid}) {how}; the job stopped every rank{retry}."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``accel-ctx`` console script."""
+    """Entry point of the ``accel-ctx`` console script; returns the exit code.
+
+    Example:
+        >>> from accel_ctx.cli import main
+        >>> main(["env", "--help"])  # doctest: +ELLIPSIS
+        usage: accel-ctx env
+        ...
+        0
+    """
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print("usage: accel-ctx launch [-n N] [torchrun flags] script.py [args...]")
+        print(USAGE, end="")
         return 0
     command, rest = args[0], args[1:]
     if command == "launch":
         return launch_main(rest)
-    print(f"accel-ctx: unknown command {command!r}; try `accel-ctx launch --help`.", file=sys.stderr)
+    if command == "config":
+        from ._config_cmd import config_main
+
+        return config_main(rest)
+    if command == "env":
+        from ._envinfo import env_main
+
+        return env_main(rest)
+    if command in ("--version", "-V"):
+        from . import __version__
+
+        print(f"accel-ctx {__version__}")
+        return 0
+    print(f"accel-ctx: unknown command {command!r}; try `accel-ctx --help`.", file=sys.stderr)
     return 2
 
 

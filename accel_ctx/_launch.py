@@ -1,0 +1,309 @@
+"""``launch(fn, nprocs)``: run a function on several local processes, from a notebook or a test.
+
+The children are plain ``multiprocessing`` processes with the variables ``distributed()``
+reads (RANK, WORLD_SIZE, ...) and a rendezvous of their own (a FileStore in a fresh temporary
+folder, plus a free MASTER_PORT for code that calls ``init_process_group`` itself). The parent
+watches every child: the first exception or death stops the others and is raised here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection, wait
+from typing import Any, Literal, TypeVar
+
+from . import _env
+from .errors import ConfigurationError, DistributedError
+
+R = TypeVar("R")
+_GRACE_S = 3.0  # how long stopped children get to exit on SIGTERM before SIGKILL
+
+
+class _RemoteTraceback(Exception):
+    """Carries a child's formatted traceback as the ``__cause__`` of the re-raised error."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def launch(
+    fn: Callable[..., R],
+    nprocs: int | Literal["auto"] = "auto",
+    args: tuple[Any, ...] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    start_method: Literal["fork", "spawn", "forkserver"] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+) -> R:
+    """Run ``fn(*args, **kwargs)`` on ``nprocs`` new local processes; return rank 0's result.
+
+    Each process gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT and a private
+    FileStore rendezvous, so ``with distributed():`` inside ``fn`` forms one job of
+    ``nprocs`` ranks. ``nprocs="auto"`` starts one per local GPU, else 1.
+
+    * Start method: ``fork`` on Linux while CUDA is not initialised in this process (fast;
+      ``fn`` may be a lambda or a notebook function), else ``spawn`` (``fn`` and ``args``
+      must pickle, and ``fn`` must be importable; a script calls launch() under
+      ``if __name__ == "__main__":``). Where neither works, it says what to do.
+    * An exception in any rank is raised here, the same type, with the rank in its note and
+      the child's traceback as its cause; the other ranks are stopped. A rank that dies
+      (signal, ``os._exit``) raises :class:`~accel_ctx.errors.DistributedError` naming it.
+    * ``env`` adds variables to the children; ``timeout`` (seconds) stops a job that runs
+      longer and raises DistributedError.
+
+    Example:
+        >>> from accel_ctx import launch
+        >>> launch(pow, nprocs=2, args=(2, 10))
+        1024
+    """
+    world = _count(nprocs)
+    kwargs = dict(kwargs or {})
+    method = _start_method(fn, args, kwargs, start_method)
+    ctx: Any = mp.get_context(method)
+    with tempfile.TemporaryDirectory(prefix="accel-ctx-launch-") as store_dir:
+        base_env = {
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port()),
+            _env.INIT_METHOD_VAR: f"file://{os.path.join(store_dir, 'store')}",
+            **({"OMP_NUM_THREADS": "1"} if world > 1 and "OMP_NUM_THREADS" not in os.environ
+               else {}),
+            **dict(env or {}),
+        }
+        children: list[tuple[Any, Connection]] = []
+        try:
+            for rank in range(world):
+                reader, writer = ctx.Pipe(duplex=False)
+                child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank),
+                             "GROUP_RANK": "0"}
+                process = ctx.Process(
+                    target=_child,
+                    args=(fn, args, kwargs, rank, child_env, writer, os.getpid()),
+                    name=f"accel-ctx-rank{rank}",
+                )
+                process.start()
+                writer.close()  # the child holds the only writer: EOF means it is gone
+                children.append((process, reader))
+            result = _collect(children, world, timeout)
+        except BaseException:
+            _stop(children, wait_s=0.0)
+            raise
+        _stop(children, wait_s=_GRACE_S)  # all answered: let them finish exiting
+        return result  # type: ignore[no-any-return]
+
+
+def _count(nprocs: int | str) -> int:
+    if nprocs == "auto":
+        from ._launch_args import local_gpus
+
+        return local_gpus() or 1
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+        raise ConfigurationError(
+            f"launch(nprocs={nprocs!r}): give a number of processes (1 or more) or 'auto'."
+        )
+    return nprocs
+
+
+def _start_method(
+    fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], requested: str | None
+) -> str:
+    available = mp.get_all_start_methods()
+    if requested is not None:
+        if requested not in available:
+            raise ConfigurationError(
+                f"launch(start_method={requested!r}): this platform offers {available}."
+            )
+        method = requested
+    else:
+        # fork is fast and takes any function, but a forked child cannot use CUDA once the
+        # parent initialised it, and macOS system libraries are not fork-safe.
+        method = "fork" if sys.platform == "linux" and not _fork_unsafe() else "spawn"
+    if method == "fork" and _fork_unsafe():
+        raise ConfigurationError(
+            f"launch(start_method='fork'): {_fork_unsafe()} in this process, and a forked "
+            "child cannot use it. Use start_method='spawn', or call launch() before anything "
+            "touches the GPU or forms a process group."
+        )
+    if method != "fork":
+        _check_spawnable(fn, args, kwargs)
+    return method
+
+
+def _fork_unsafe() -> str:
+    """Why a forked child would break, or '' (what it would inherit but cannot use)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ""
+    if torch.cuda.is_initialized():
+        return "CUDA is already initialised"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return "a process group is already initialised"
+    return ""
+
+
+def _check_spawnable(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    why = ""
+    main = sys.modules.get("__main__")
+    name = getattr(fn, "__qualname__", repr(fn))
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        why = f"{name} is defined in a notebook or interactive session, which they cannot import"
+    else:
+        try:
+            pickle.dumps((fn, args, kwargs))
+        except Exception as exc:
+            why = f"{name} or its arguments cannot be pickled ({exc})"
+    if why:
+        reason = _fork_unsafe()
+        because = f" ({reason} here, so fork cannot be used)" if reason else ""
+        raise ConfigurationError(
+            f"launch() must start fresh processes{because}, and {why}. Fix: put the function in a "
+            ".py module and import it (arguments: plain data), or restart the kernel and call "
+            "launch() before anything initialises CUDA so that fork can be used."
+        )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _child(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    rank: int,
+    env: dict[str, str],
+    conn: Connection,
+    parent: int,
+) -> None:
+    os.environ.update(env)
+    watched = (parent, os.getppid())  # forkserver's children have the server as parent
+    threading.Thread(target=_orphan_watch, args=(watched,), daemon=True).start()
+    if "OMP_NUM_THREADS" in env and "torch" in sys.modules:  # torch read the variable already
+        sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+    message: tuple[Any, ...]
+    result: Any = None
+    try:
+        result = fn(*args, **kwargs)
+        message = ("ok",)
+    except SystemExit as exc:  # raised in the caller it would end the caller: report it
+        if exc.code in (None, 0):
+            message = ("ok",)
+        else:
+            message = ("error", b"", traceback.format_exc(), f"raised SystemExit({exc.code!r})")
+    except BaseException as exc:  # everything else goes to the parent as it is
+        text = traceback.format_exc()
+        try:
+            payload = pickle.dumps(exc)
+            pickle.loads(payload)  # some exceptions pickle but cannot be rebuilt
+        except Exception:
+            payload = b""
+        message = ("error", payload, text, f"raised {type(exc).__name__}: {exc}")
+    if message[0] == "ok":  # only rank 0's value travels: other ranks may return anything
+        try:
+            message = ("ok", pickle.dumps(result) if rank == 0 else b"")
+        except Exception as exc:
+            message = ("error", b"", traceback.format_exc(),
+                       f"returned a value that cannot be sent back ({exc}); return plain "
+                       "data (numbers, tensors, dicts) or save the result to a file")
+    conn.send(message)
+    conn.close()
+
+
+def _orphan_watch(parents: tuple[int, int]) -> None:
+    # A child whose caller died (a killed notebook kernel) must not wait forever on its peers.
+    while os.getppid() in parents:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _collect(children: list[tuple[Any, Connection]], world: int, timeout: float | None) -> Any:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = set(range(world))
+    result: Any = None
+    while pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise DistributedError(
+                f"launch(): the job of {world} processes ran past timeout={timeout} s and was "
+                "stopped; raise the timeout, or look for a rank waiting on a collective the "
+                "others never reach."
+            )
+        # Wake up at least twice a second to look for exited children: the pipe of a dead
+        # child (and its multiprocessing sentinel) stays open while helpers it forked, such
+        # as DataLoader workers, live on; only its exit code tells at once.
+        wait([children[r][1] for r in pending], timeout=min(0.5, left or 0.5))
+        for rank in sorted(pending):
+            process, reader = children[rank]
+            if not reader.poll() and process.exitcode is None:
+                continue  # still working
+            pending.discard(rank)
+            try:
+                if not reader.poll():  # exited, and nothing was sent
+                    raise EOFError
+                message = reader.recv()
+            except EOFError:
+                process.join(5.0)
+                raise DistributedError(
+                    f"launch(): rank {rank} of {world} died ({_exit_reason(process.exitcode)}) "
+                    "before returning; the other ranks were stopped. A crash in native code or "
+                    "running out of memory does this; its output is above."
+                ) from None
+            if message[0] == "error":
+                _raise_remote(rank, world, *message[1:])
+            if rank == 0:
+                result = pickle.loads(message[1])
+    return result
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+def _raise_remote(rank: int, world: int, payload: bytes, text: str, summary: str) -> None:
+    cause = _RemoteTraceback(f"\n\nrank {rank} of {world}:\n{text}")
+    if payload:
+        exc = pickle.loads(payload)
+        if isinstance(exc, BaseException):
+            note = f"raised by rank {rank} of {world} in launch(); the other ranks were stopped"
+            if hasattr(exc, "add_note"):
+                exc.add_note(note)
+            raise exc from cause
+    raise DistributedError(f"launch(): rank {rank} of {world} {summary}") from cause
+
+
+def _stop(children: list[tuple[Any, Connection]], wait_s: float) -> None:
+    """Every child is gone on return: ``wait_s`` to exit, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + wait_s
+    for process, reader in children:
+        reader.close()
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + _GRACE_S
+    for process, _ in children:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()

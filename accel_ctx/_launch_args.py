@@ -1,0 +1,258 @@
+"""``accel-ctx launch`` arguments -> torchrun's arguments and the workers' environment.
+
+Pure: reads the command line, the config files and an environment mapping; starts nothing, so
+every rule here is tested without processes. :mod:`accel_ctx.cli` runs the result.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import _config, _env
+from .errors import ConfigurationError
+
+# Our flags -> setting. The '_' spellings follow torchrun's habit; both work.
+OURS = {
+    "-n": "nproc", "--nproc": "nproc",
+    "--nnodes": "nnodes",
+    "--node-rank": "node_rank", "--node_rank": "node_rank",
+    "--master": "master",
+    "--mixed-precision": "mixed_precision", "--mixed_precision": "mixed_precision",
+    "--max-restarts": "max_restarts", "--max_restarts": "max_restarts",
+    "--config": "config",
+}
+_TORCHRUN_NPROC = ("--nproc-per-node", "--nproc_per_node")
+# torchrun flags that choose the rendezvous themselves: given any, we add no rendezvous flag.
+_OWN_RENDEZVOUS = (
+    "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--standalone",
+    "--master-addr", "--master_addr", "--master-port", "--master_port",
+)
+_RDZV_CONF = ("--rdzv-conf", "--rdzv_conf")
+_RDZV_ID = ("--rdzv-id", "--rdzv_id")
+_LOCAL_ADDR = ("--local-addr", "--local_addr")
+
+
+@dataclass
+class LaunchPlan:
+    """What ``accel-ctx launch`` hands to torchrun, and why."""
+
+    torchrun_args: list[str]
+    """torchrun's command line: flags, then the script and its arguments."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables to set before torchrun starts the workers (they inherit them)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """The resolved settings (nproc as a number)."""
+    sources: dict[str, str] = field(default_factory=dict)
+    """Where each setting came from: 'flag', a config file, 'SLURM' or 'default'."""
+
+
+@dataclass
+class _Parsed:
+    ours: dict[str, str] = field(default_factory=dict)
+    passthrough: list[tuple[str, list[str]]] = field(default_factory=list)  # (flag, tokens)
+    script: list[str] = field(default_factory=list)
+    help: bool = False
+
+    def given(self, *names: str) -> bool:
+        return any(flag in names for flag, _ in self.passthrough)
+
+    def value(self, *names: str) -> str | None:
+        found = None
+        for flag, tokens in self.passthrough:
+            if flag in names:
+                found = tokens[0].partition("=")[2] if len(tokens) == 1 else tokens[1]
+        return found
+
+
+def parse(argv: Sequence[str], arity: Mapping[str, bool]) -> _Parsed:
+    """Split the command line: our flags, torchrun's flags (``arity``: takes a value), script."""
+    parsed = _Parsed()
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        token = args[i]
+        if token == "--":
+            i += 1
+            break
+        if not token.startswith("-") or token == "-":
+            break
+        if token in ("-h", "--help"):
+            parsed.help = True
+            i += 1
+            continue
+        name, eq, inline = token.partition("=")
+        if name.startswith("-n") and not name.startswith("--") and len(name) > 2:
+            name, eq, inline = "-n", "=", name[2:]  # -n4, as argparse allows
+        if name in OURS:
+            if eq:
+                value = inline
+                i += 1
+            else:
+                value = _value(args, i, name)
+                i += 2
+            parsed.ours[OURS[name]] = value
+            continue
+        if name not in arity:
+            raise ConfigurationError(
+                f"unknown option {token!r}. Options of accel-ctx and torchrun go before the "
+                "script, the script's own options after it; see `accel-ctx launch --help`."
+            )
+        if arity[name] and not eq:
+            parsed.passthrough.append((name, [token, _value(args, i, name)]))
+            i += 2
+        else:
+            parsed.passthrough.append((name, [token]))
+            i += 1
+    parsed.script = args[i:]
+    return parsed
+
+
+def _value(args: list[str], i: int, name: str) -> str:
+    if i + 1 >= len(args):
+        raise ConfigurationError(f"{name} needs a value, e.g. `{name} {_EXAMPLES.get(name, 'X')}`.")
+    return args[i + 1]
+
+
+_EXAMPLES = {"-n": "4", "--nproc": "4", "--master": "node0:29500", "--mixed-precision": "bf16"}
+
+
+def local_gpus() -> int:
+    """CUDA devices on this machine (0 without CUDA); cheap: it does not initialise CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def plan(
+    argv: Sequence[str],
+    arity: Mapping[str, bool],
+    environ: Mapping[str, str],
+    cwd: Path | None = None,
+    gpus: Callable[[], int] = local_gpus,
+) -> LaunchPlan:
+    """Translate ``accel-ctx launch`` arguments into torchrun arguments and environment."""
+    parsed = parse(argv, arity)
+    if not parsed.script:
+        raise ConfigurationError(
+            "give the script to run after the options, e.g. `accel-ctx launch -n 2 train.py`."
+        )
+    settings, sources = _resolve(parsed, environ, cwd)
+    args: list[str] = []
+    env: dict[str, str] = {}
+
+    if parsed.given(*_TORCHRUN_NPROC) and "nproc" in parsed.ours:
+        raise ConfigurationError(
+            "-n/--nproc and torchrun's --nproc-per-node say the same thing; keep one of them."
+        )
+    if not parsed.given(*_TORCHRUN_NPROC):
+        nproc = settings.get("nproc", "auto")
+        if nproc == "auto":
+            nproc = gpus() or 1
+        settings["nproc"] = nproc
+        args += ["--nproc-per-node", str(nproc)]
+    nnodes = settings.get("nnodes", 1)
+    args += ["--nnodes", str(nnodes)]
+    max_nodes = int(str(nnodes).rsplit(":", 1)[-1])
+    args += _rendezvous(parsed, settings, sources, max_nodes, env, environ)
+    if "max_restarts" in settings:
+        args += ["--max-restarts", str(settings["max_restarts"])]
+    if "mixed_precision" in settings:
+        env[_env.MIXED_PRECISION_VAR] = settings["mixed_precision"]
+    for _, tokens in parsed.passthrough:
+        args += tokens
+    return LaunchPlan([*args, *parsed.script], env, settings, sources)
+
+
+def _resolve(
+    parsed: _Parsed, environ: Mapping[str, str], cwd: Path | None
+) -> tuple[dict[str, Any], dict[str, str]]:
+    """flags > SLURM (launcher run by srun, one per node) > config files; each key alone."""
+    config = _config.load(parsed.ours.get("config"), cwd=cwd, environ=environ)
+    settings = dict(config.values)
+    sources = dict(config.sources)
+    for key, value in _env.slurm_nodes(environ).items():
+        settings[key], sources[key] = value, "SLURM"
+    for key, raw in parsed.ours.items():
+        if key != "config":
+            flag = next(f for f, k in OURS.items() if k == key and f.startswith("--"))
+            settings[key], sources[key] = _config.check(key, raw, flag), "flag"
+    return settings, sources
+
+
+def _rendezvous(
+    parsed: _Parsed,
+    settings: dict[str, Any],
+    sources: Mapping[str, str],
+    max_nodes: int,
+    env: dict[str, str],
+    environ: Mapping[str, str],
+) -> list[str]:
+    node_rank = settings.get("node_rank")
+    if node_rank is not None and node_rank >= max_nodes:
+        raise ConfigurationError(
+            f"--node-rank {node_rank} with {max_nodes} node(s): node ranks run from 0 to "
+            f"{max_nodes - 1}; give each machine its own."
+        )
+    if parsed.given(*_OWN_RENDEZVOUS):  # the user drives torchrun's rendezvous directly
+        if sources.get("master") == "flag":
+            raise ConfigurationError(
+                "--master and torchrun's rendezvous flags (--rdzv-endpoint, --master-addr, "
+                "--standalone, ...) both choose where the nodes meet; keep one of them."
+            )
+        return [] if node_rank is None else ["--node-rank", str(node_rank)]  # static's meaning
+    args: list[str] = []
+    conf = parsed.value(*_RDZV_CONF) or ""
+    master = settings.get("master")
+    if master is not None:
+        host, _ = _config.split_host_port(master) or ("", 0)
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", master]
+        if not parsed.given(*_RDZV_ID):
+            job = environ.get("SLURM_JOB_ID")
+            args += ["--rdzv-id", f"slurm-{job}" if sources.get("master") == "SLURM" and job
+                     else "accel-ctx"]
+        if node_rank is not None and "is_host=" not in conf:
+            # Node 0 hosts the rendezvous store. Saying so beats torchrun's guess from the
+            # host name, which fails when --master is an IP address or an alias.
+            conf = ",".join(filter(None, (conf, f"is_host={'true' if node_rank == 0 else 'false'}")))
+        loopback = _is_loopback(host)
+    elif max_nodes > 1:
+        raise ConfigurationError(
+            f"{max_nodes} nodes need a meeting point: add --master HOST:PORT with the address "
+            "of node 0 and a free port, the same on every node (or set `master` with "
+            "`accel-ctx config`)."
+        )
+    else:
+        # One machine: meet on loopback, on a port the OS picks, under a fresh id. Nothing is
+        # looked up by host name, and two jobs on one machine never collide. (torch's TCPStore
+        # still listens on every interface; every address advertised and dialled is loopback.)
+        args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
+                 "--rdzv-id", uuid.uuid4().hex]
+        loopback = True
+        ifname = loopback_interface()
+        if ifname and "GLOO_SOCKET_IFNAME" not in environ:
+            env["GLOO_SOCKET_IFNAME"] = ifname  # gloo's connections on loopback too
+    if loopback and not parsed.given(*_LOCAL_ADDR):
+        args += ["--local-addr", "127.0.0.1"]  # workers reach the store at 127.0.0.1
+    if parsed.given(*_RDZV_CONF) or conf:
+        # the merged value replaces the user's own --rdzv-conf in the pass-through flags
+        parsed.passthrough = [p for p in parsed.passthrough if p[0] not in _RDZV_CONF]
+        args += ["--rdzv-conf", conf]
+    return args
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
