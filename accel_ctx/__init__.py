@@ -15,30 +15,77 @@ Example:
 
 from . import errors
 from ._accumulate import accumulate, no_sync
+from ._checkpoint import Resumed, load_state, save_state
+from ._checkpoint_model import save_model
 from ._clip import clip_grad_norm_, clip_grad_value_
+from ._collectives import (
+    broadcast,
+    broadcast_object,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+)
 from ._distributed import DistributedOptions, distributed
+from ._evaluation import gather_for_metrics, split_between_processes
+from ._launch import launch
+from ._logging import get_logger, main_print
 from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
+from ._process import (
+    main_process_first,
+    on_last_process,
+    on_local_main_process,
+    on_main_process,
+    on_process,
+    wait_for_everyone,
+)
 from ._state import State, state
 
 __all__ = [
     "DistributedOptions",
     "PrecisionPolicy",
+    "Resumed",
     "State",
     "accumulate",
     "autocast_forward",
+    "broadcast",
+    "broadcast_object",
     "clip_grad_norm_",
     "clip_grad_value_",
     "distributed",
     "errors",
+    "gather",
+    "gather_for_metrics",
+    "gather_object",
+    "get_logger",
+    "launch",
+    "load_state",
+    "main_print",
+    "main_process_first",
     "mixed_precision",
     "no_sync",
+    "on_last_process",
+    "on_local_main_process",
+    "on_main_process",
+    "on_process",
+    "pad_across_processes",
+    "reduce",
+    "save_model",
+    "save_state",
+    "split_between_processes",
     "state",
+    "wait_for_everyone",
 ]
 
 __version__ = "0.1.0"
 
 for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_precision",
               "PrecisionPolicy", "autocast_forward", "accumulate", "no_sync",
-              "clip_grad_norm_", "clip_grad_value_"):
+              "Resumed", "save_state", "load_state", "save_model",
+              "clip_grad_norm_", "clip_grad_value_",
+              "on_main_process", "on_local_main_process", "on_process", "on_last_process",
+              "main_process_first", "wait_for_everyone", "main_print", "gather", "gather_object",
+              "reduce", "broadcast", "broadcast_object", "pad_across_processes",
+              "gather_for_metrics", "split_between_processes", "get_logger", "launch"):
     globals()[_name].__module__ = __name__
 del _name

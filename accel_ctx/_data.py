@@ -184,12 +184,14 @@ def _rng_snapshot(loader: DataLoader[Any]) -> tuple[torch.Tensor, torch.Tensor |
 def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -> Iterator[Any]:
     """The iterator a DataLoader hands out inside a scope."""
     record = _state.loader_record(loader)
+    stack.session.first_iteration(loader, record)  # may set the resume fields below
     iterable = isinstance(loader.dataset, IterableDataset)
     skip, resume_rng = record.resume_skip, record.resume_rng
     record.resume_skip, record.resume_rng = 0, None
     plan = plan_for(loader, stack, skip)
     runtime = stack.dist
-    if runtime is not None and runtime.world_size > 1 and not _already_sharded(loader):
+    # A resumed epoch replays its saved (already shared) start; the ranks' restored states stay.
+    if resume_rng is None and runtime is not None and runtime.world_size > 1 and not _already_sharded(loader):
         sync_rng(loader, runtime)
     record.epoch += 1
     record.yielded = 0

@@ -22,6 +22,7 @@ from typing_extensions import Unpack
 
 from . import _env, _state
 from ._scope import Scope
+from ._tree import to_device
 from .errors import ConfigurationError, LaunchEnvironmentError, RendezvousError
 
 if TYPE_CHECKING:
@@ -405,8 +406,6 @@ class DistributedRuntime:
         )
 
     def inputs_to_device(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        from ._tree import to_device
-
         if self.device.type == "cpu":
             return args, kwargs
         return to_device(args, self.device), to_device(kwargs, self.device)

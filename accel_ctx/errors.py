@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "AccelCtxError",
+    "CheckpointError",
     "ConfigurationError",
     "DistributedError",
     "LaunchEnvironmentError",
@@ -105,5 +106,17 @@ class RendezvousError(DistributedError):
     Example:
         >>> from accel_ctx.errors import RendezvousError
         >>> issubclass(RendezvousError, TimeoutError) or issubclass(RendezvousError, RuntimeError)
+        True
+    """
+
+
+class CheckpointError(AccelCtxError, RuntimeError):
+    """A checkpoint cannot be used: corrupt or truncated file, or saved from other objects.
+
+    The message names the file or the keys that differ, and what to do.
+
+    Example:
+        >>> from accel_ctx.errors import CheckpointError
+        >>> issubclass(CheckpointError, RuntimeError)
         True
     """

@@ -1,0 +1,219 @@
+"""The objects' part of a checkpoint, through torch.distributed.checkpoint (DCP), and the ranks'
+agreement around it.
+
+Models use DCP's ``get_model_state_dict`` (plain, DDP and FSDP2 modules alike, no wrapper
+prefixes); an optimizer uses ``get_optimizer_state_dict`` with the saved model(s) holding its
+parameters, so its state is keyed by parameter name and reshards like the model. An optimizer
+with no state yet, or saved without any of its models, is kept as ``optimizer.state_dict()``
+in ``accel_ctx.pt`` instead ("plain"): DCP would first take a zero step to create its state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.utils.data import DataLoader
+
+from . import _checkpoint_files as files
+from . import _state
+from .errors import CheckpointError, ConfigurationError
+
+
+# ---- the ranks ---------------------------------------------------------------------------------
+def collective() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if collective() else (0, 1)
+
+
+def gather(value: Any) -> list[Any]:
+    if not collective():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Every rank learns whether every rank succeeded (instead of waiting in a barrier)."""
+    for rank, message in enumerate(gather(None if error is None else repr(error))):
+        if message is not None:
+            if error is not None:
+                raise error
+            raise CheckpointError(f"rank {rank} failed to {what}: {message}")
+
+
+@contextlib.contextmanager
+def as_stock_torch() -> Iterator[None]:
+    """Our own calls into torch bypass the scopes: DCP initialises an empty optimizer state by
+    calling ``optimizer.step()``, which must not count as a training step. DCP's notice that a
+    lone process saves alone is silenced: one process is a normal case here."""
+    token = _state._STACK.set(None)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        _state._STACK.reset(token)
+
+
+# ---- the objects -------------------------------------------------------------------------------
+def split(objects: dict[str, Any], caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(objects with a state_dict, DataLoaders), refusing anything else."""
+    stateful, loaders = {}, {}
+    for name, obj in objects.items():
+        if isinstance(obj, DataLoader):
+            loaders[name] = obj
+        elif callable(getattr(obj, "state_dict", None)) and callable(
+            getattr(obj, "load_state_dict", None)
+        ):
+            stateful[name] = obj
+        else:
+            raise ConfigurationError(
+                f"{caller}({name}=...): a {type(obj).__name__} has no state_dict()/"
+                "load_state_dict(). Pass models, optimizers, schedulers, DataLoaders or objects "
+                "with both methods."
+            )
+    return stateful, loaders
+
+
+def _owners(optimizer: torch.optim.Optimizer, stateful: dict[str, Any]) -> list[str]:
+    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [n for n, m in stateful.items() if isinstance(m, nn.Module)
+            and any(id(p) in params for p in m.parameters())]
+
+
+def _owner_module(names: list[str], stateful: dict[str, Any], optimizer: str) -> nn.Module:
+    missing = [n for n in names if not isinstance(stateful.get(n), nn.Module)]
+    if missing:
+        raise CheckpointError(
+            f"the optimizer {optimizer!r} was saved keyed by the parameter names of "
+            f"{', '.join(names)}; pass {', '.join(f'{n}=...' for n in missing)} to load_state "
+            "too."
+        )
+    if len(names) == 1:
+        return stateful[names[0]]  # type: ignore[no-any-return]
+    return nn.ModuleDict({n: stateful[n] for n in names})
+
+
+def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the DCP state dict, per optimizer: its owner models' names or None for "plain")."""
+    state_dict: dict[str, Any] = {}
+    forms: dict[str, Any] = {}
+    for name, obj in stateful.items():
+        if isinstance(obj, nn.Module):
+            state_dict[name] = get_model_state_dict(obj)
+        elif isinstance(obj, torch.optim.Optimizer):
+            owners = _owners(obj, stateful)
+            forms[name] = owners if owners and obj.state else None
+            if forms[name]:
+                state_dict[name] = get_optimizer_state_dict(_owner_module(owners, stateful, name),
+                                                            obj)
+        else:
+            state_dict[name] = obj.state_dict()
+    return state_dict, forms
+
+
+def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
+         plain: dict[str, Any]) -> None:
+    """Load the objects in place: DCP fills templates made from them, then they take them."""
+    templates: dict[str, Any] = {}
+    for name, obj in stateful.items():
+        if isinstance(obj, nn.Module):
+            templates[name] = get_model_state_dict(obj)
+        elif isinstance(obj, torch.optim.Optimizer) and forms.get(name) is not None:
+            # with no gradients (cleared by load_state), DCP creates a missing state by a
+            # zero step, so the template has every entry of the checkpoint
+            module = _owner_module(forms[name], stateful, name)
+            templates[name] = get_optimizer_state_dict(module, obj)
+        elif not isinstance(obj, torch.optim.Optimizer):
+            templates[name] = obj.state_dict()
+    if templates:
+        _check_keys(folder, templates, stateful)
+        with checkpoint_errors(folder, "load"):
+            dcp_load(templates, storage_reader=files.SafeReader(folder),
+                     planner=files.SafeLoadPlanner(), no_dist=not collective())
+    for name, obj in stateful.items():
+        if isinstance(obj, nn.Module):
+            set_model_state_dict(obj, templates[name])
+        elif isinstance(obj, torch.optim.Optimizer) and name in templates:
+            set_optimizer_state_dict(_owner_module(forms[name], stateful, name), obj,
+                                     templates[name])
+        elif isinstance(obj, torch.optim.Optimizer):
+            try:
+                obj.load_state_dict(plain[name])
+            except (ValueError, KeyError) as exc:
+                raise CheckpointError(
+                    f"checkpoint {folder}: the optimizer {name!r} does not match the saved one "
+                    f"({exc}). Pass an optimizer built over the same parameters."
+                ) from None
+        else:
+            obj.load_state_dict(templates[name])
+
+
+@contextlib.contextmanager
+def checkpoint_errors(folder: Path, verb: str) -> Iterator[None]:
+    """DCP reports any rank's failure on every rank as a CheckpointException (a BaseException,
+    which ``except Exception`` misses): turn it into a CheckpointError naming rank and cause."""
+    try:
+        yield
+    except CheckpointException as exc:
+        rank, (error, _) = min(exc.failures.items(),
+                               key=lambda item: (not isinstance(item[1][0], CheckpointError),
+                                                 item[0]))
+        if isinstance(error, CheckpointError):
+            raise CheckpointError(f"rank {rank}: {error}") from None
+        raise CheckpointError(f"rank {rank} could not {verb} {folder}: {error!r}") from None
+
+
+def _check_keys(folder: Path, templates: dict[str, Any], stateful: dict[str, Any]) -> None:
+    """Name the keys that differ before DCP fails on the first one."""
+    saved = files.SafeReader(folder).read_metadata().state_dict_metadata
+    problems = []
+    for name, template in templates.items():
+        flat, _ = flatten_state_dict({name: template})
+        cut = len(name) + 1
+        missing = [k[cut:] for k in flat if k not in saved]
+        unexpected = [k[cut:] for k in saved if k.startswith(name + ".") and k not in flat]
+        if not isinstance(stateful[name], nn.Module):
+            unexpected = []  # other objects may hold fewer entries than their checkpoint
+        shapes = [
+            f"{k[cut:]} {tuple(meta.size)} in the checkpoint, {tuple(v.shape)} here"
+            for k, v in flat.items()
+            if isinstance(v, torch.Tensor) and isinstance(meta := saved.get(k), TensorStorageMetadata)
+            and tuple(meta.size) != tuple(v.shape)
+        ]
+        parts = [f"{label}: {_few(keys)}" for label, keys in (
+            ("missing from the checkpoint", missing), (f"not in {name}", unexpected),
+            ("shapes differ", shapes)) if keys]
+        if parts:
+            problems.append(f"{name!r} does not match it; " + "; ".join(parts))
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {folder} was saved from different objects: " + ". ".join(problems)
+            + ". Load it into the same model (architecture and sizes) that saved it."
+        )
+
+
+def _few(keys: list[str], limit: int = 8) -> str:
+    more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
+    return ", ".join(keys[:limit]) + more

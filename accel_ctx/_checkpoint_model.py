@@ -1,0 +1,104 @@
+"""``save_model``: the plain weights in one file that loads anywhere, without accel_ctx."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _safetensors_available() -> bool:
+    return importlib.util.find_spec("safetensors") is not None
+
+
+def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
+    """Write ``model``'s weights to ``path`` from rank 0, atomically; call it on every rank.
+
+    A ``.safetensors`` path gets a safetensors file (tied weights stored once per name) when
+    the ``safetensors`` package is installed; otherwise ``torch.save`` writes the state dict
+    (to ``path`` with ``.pt`` in place of ``.safetensors``, with a warning, if the package is
+    missing). Keys are the model's own, without ``module.`` or other wrapper prefixes, and
+    sharded models are gathered first, so the file loads into a fresh model with plain
+    PyTorch: ``model.load_state_dict(torch.load(path, weights_only=True))``. The file is
+    written beside ``path`` and renamed into place, so ``path`` never holds half a model.
+    Returns the path written (on every rank).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from accel_ctx import save_model
+        >>> model = torch.nn.Linear(2, 2)
+        >>> path = save_model(model, tempfile.mkdtemp() + "/model.pt")
+        >>> fresh = torch.nn.Linear(2, 2)
+        >>> fresh.load_state_dict(torch.load(path, weights_only=True))
+        <All keys matched successfully>
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from . import _checkpoint_dcp as objs  # imported here: DCP is slow to import
+
+    target = Path(path)
+    use_safetensors = target.suffix == ".safetensors"
+    if use_safetensors and not _safetensors_available():
+        target, use_safetensors = target.with_suffix(".pt"), False
+        if objs.rank_world()[0] == 0:
+            warnings.warn(
+                f"save_model: the safetensors package is not installed; writing a torch.save "
+                f"state dict to {target} instead (pip install safetensors for {path}).",
+                stacklevel=2,
+            )
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    with objs.as_stock_torch():
+        state_dict = get_model_state_dict(model, options=options)  # collective when sharded
+    error: BaseException | None = None
+    if objs.rank_world()[0] == 0:
+        try:
+            _write(target, state_dict, use_safetensors)
+        except Exception as exc:  # reported to every rank by agree(), not left to hang
+            error = exc
+    objs.agree(error, f"write {target}")
+    return target
+
+
+def _write(target: Path, state_dict: dict[str, Any], use_safetensors: bool) -> None:
+    from . import _checkpoint_files as files
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        if use_safetensors:
+            from safetensors.torch import save as to_bytes
+
+            data = to_bytes(_untied(state_dict, target), metadata={"format": "pt"})
+            files.write_synced(tmp, lambda f: f.write(data))
+        else:
+            files.save_torch(tmp, state_dict)
+        os.replace(tmp, target)
+        files.fsync_dir(target.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def _untied(state_dict: dict[str, Any], target: Path) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors sharing memory and non-tensors: copy the one, drop the other."""
+    out: dict[str, torch.Tensor] = {}
+    storages: set[int] = set()
+    dropped = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+    for key, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach()
+            storage = tensor.untyped_storage().data_ptr()
+            tied = storage in storages and tensor.numel() > 0
+            storages.add(storage)
+            out[key] = tensor.clone() if tied or not tensor.is_contiguous() else tensor
+    if dropped:
+        warnings.warn(f"save_model: {target} cannot hold non-tensor entries {dropped}; they are "
+                      "left out.", stacklevel=3)
+    return out
+

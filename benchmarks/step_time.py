@@ -1,0 +1,499 @@
+"""Training step time: accel_ctx scopes around a plain loop vs the same loop written by hand.
+
+Two ranks (spawned processes, gloo on CPU) run both sides in turn, in the alternating order of
+``_measure.plan``; every block starts a fresh process group, model, optimizer and loader, trains
+one epoch untimed (warm-up), then times whole epochs. Per row:
+
+=========  ==========================================  =========================================
+row        hand-written (A)                            accel_ctx (B)
+=========  ==========================================  =========================================
+fp32       DDP + DistributedSampler                    ``with distributed():`` plain loop
+bf16       ... + ``torch.autocast`` (bf16), fp32 loss  ... + ``mixed_precision("bf16")``
+fp16       ... + autocast (fp16) + ``GradScaler``      ... + ``mixed_precision("fp16")``
+accum4     ... + ``ddp.no_sync()`` on 3 of 4 micro-    ... + ``accumulate(4)``
+           batches, loss / 4, step every 4th
+=========  ==========================================  =========================================
+
+Both sides train on the same in-memory data with the same per-rank batch size and number of
+steps. The hand-written side casts the autocast output to fp32 before the loss, as
+``mixed_precision`` does by default (``output_dtype=torch.float32``), so both do the same work.
+accel_ctx broadcasts rank 0's sampling RNG at the start of every epoch (DistributedSampler
+needs no collective): that cost is in its figures, spread over the epoch's batches.
+Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the process CPU time.
+
+    python benchmarks/step_time.py            # full run, a few minutes on 2 cores
+    python benchmarks/step_time.py --quick    # smoke run, well under a minute
+    python benchmarks/step_time.py --check    # count collectives and real steps of each side
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import cProfile
+import gc
+import itertools
+import multiprocessing as mp
+import pstats
+import queue
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from _measure import (
+    ACCEL,
+    REF,
+    Comparison,
+    Sample,
+    Timer,
+    assert_stock,
+    calibrate,
+    plan,
+    table,
+)
+from _models import features_of, make_data, make_model
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from accel_ctx import accumulate, distributed, mixed_precision
+
+BATCH = 32  # per rank
+ACCUMULATE = 4
+TARGET = 1.02
+MODES = ("fp32", "bf16", "fp16", "accum4")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SIDE_FILES = {REF: "hand", ACCEL: "accel"}
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    mode: str
+    batches_per_epoch: int  # per rank; a multiple of ACCUMULATE
+
+    @property
+    def name(self) -> str:
+        mode = f"accumulate({ACCUMULATE})" if self.mode == "accum4" else self.mode
+        return f"{self.model} {mode}"
+
+    @property
+    def opt_steps_per_epoch(self) -> int:
+        return self.batches_per_epoch // (ACCUMULATE if self.mode == "accum4" else 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    pairs: int
+    block_seconds: float  # target length of one timed block
+    calibrate: bool  # False: one epoch per timed block, one warm-up pair in all
+    warmup_epochs: int
+    max_epochs: int
+    rows: tuple[Row, ...]
+    profile: str | None  # cProfile rank 0's accel_ctx blocks into this file
+    check: bool  # count the work of one block per side instead of timing
+
+
+# What watches the timed part of a block: (row, side, model, optimizer steps) -> context
+Observer = Callable[["Row", str, nn.Module, int], AbstractContextManager[Any]]
+
+
+class Rank:
+    """This process's place in the job, the hand-written side's store, what watches blocks."""
+
+    def __init__(self, rank: int, world: int, store_path: str) -> None:
+        self.rank, self.world = rank, world
+        self.store = dist.FileStore(store_path, world)
+        self.generation = itertools.count()
+        self.observe: Observer = lambda row, side, model, steps: nullcontext()
+
+
+# ------------------------------------------------------------------------------------------------
+# the two sides
+# ------------------------------------------------------------------------------------------------
+def timed_epochs(
+    ctx: Rank, row: Row, side: str, model: nn.Module, run_epoch: Callable[[int], None],
+    warmup: int, epochs: int,
+) -> Sample:
+    """Untimed warm-up epochs, then ``epochs`` timed ones; per optimizer step, all ranks agreed."""
+    for epoch in range(warmup):
+        run_epoch(epoch)
+    steps = epochs * row.opt_steps_per_epoch
+    dist.barrier()
+    with ctx.observe(row, side, model, steps), Timer() as timer:
+        for epoch in range(warmup, warmup + epochs):
+            run_epoch(epoch)
+    wall = torch.tensor([timer.wall], dtype=torch.float64)
+    cpu = torch.tensor([timer.cpu], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    # Let gloo's worker threads finish: they free the work of the all-reduces above, which
+    # needs the GIL. A DDP reducer collected later drops the last reference to its process
+    # group and joins those threads *holding* the GIL: a deadlock if one still waits for it
+    # (seen here with torch 2.13). The barrier and the sleep release the GIL meanwhile.
+    dist.barrier()
+    time.sleep(0.05)
+    return Sample(wall.item() / steps, cpu.item() / ctx.world / steps)
+
+
+def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
+    """The loop as one writes it with DDP, DistributedSampler, autocast, GradScaler, no_sync."""
+    assert_stock()
+    store = dist.PrefixStore(f"hand/{next(ctx.generation)}", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
+    try:
+        model = make_model(row.model)
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+        sampler = DistributedSampler(data, shuffle=True, seed=0)
+        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+        dtype = DTYPES.get(row.mode)
+        scaler = torch.amp.GradScaler("cpu") if row.mode == "fp16" else None
+
+        def run_epoch(epoch: int) -> None:
+            sampler.set_epoch(epoch)
+            if row.mode == "accum4":
+                for i, (x, y) in enumerate(loader):
+                    boundary = (i + 1) % ACCUMULATE == 0
+                    with nullcontext() if boundary else ddp.no_sync():
+                        loss = F.cross_entropy(ddp(x), y) / ACCUMULATE
+                        loss.backward()
+                    if boundary:
+                        opt.step()
+                        opt.zero_grad()
+            elif dtype is None:
+                for x, y in loader:
+                    loss = F.cross_entropy(ddp(x), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+            else:
+                for x, y in loader:
+                    with torch.autocast("cpu", dtype=dtype):
+                        out = ddp(x)
+                    loss = F.cross_entropy(out.float(), y)
+                    if scaler is not None:
+                        scaler.scale(loss).backward()
+                        scaler.step(opt)
+                        scaler.update()
+                    else:
+                        loss.backward()
+                        opt.step()
+                    opt.zero_grad()
+
+        return timed_epochs(ctx, row, REF, model, run_epoch, warmup, epochs)
+    finally:
+        # Free DDP's reducer while the group is still registered, so that destroying the group
+        # (which releases the GIL) and not the reducer (which does not) ends its threads.
+        model = ddp = opt = None  # type: ignore[assignment]
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def with_accel_ctx(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
+    """The plain loop, unchanged, inside accel_ctx's scopes (which form their own group)."""
+    with ExitStack() as scopes:
+        scopes.enter_context(distributed())
+        if row.mode in DTYPES:
+            scopes.enter_context(mixed_precision(row.mode))
+        if row.mode == "accum4":
+            scopes.enter_context(accumulate(ACCUMULATE))
+        model = make_model(row.model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+
+        def run_epoch(epoch: int) -> None:
+            for x, y in loader:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+
+        return timed_epochs(ctx, row, ACCEL, model, run_epoch, warmup, epochs)
+
+
+SIDES = {REF: hand_written, ACCEL: with_accel_ctx}
+
+
+# ------------------------------------------------------------------------------------------------
+# watching blocks: --profile and --check
+# ------------------------------------------------------------------------------------------------
+@contextmanager
+def profiling(profiler: cProfile.Profile) -> Iterator[None]:
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+
+
+class Profiles:
+    """``--profile``: a cProfile per row and side on rank 0, and the optimizer steps it saw."""
+
+    def __init__(self) -> None:
+        self.profiles: dict[tuple[Row, str], cProfile.Profile] = {}
+        self.steps: Counter[tuple[Row, str]] = Counter()
+
+    def observe(self, row: Row, side: str, model: nn.Module, steps: int) -> Any:
+        key = (row, side if side == ACCEL else REF)
+        self.steps[key] += steps
+        return profiling(self.profiles.setdefault(key, cProfile.Profile()))
+
+    def finish(self, path: str, rows: tuple[Row, ...], report: Callable[..., None]) -> None:
+        """Report Python calls per step; dump each row's profiles to ``path.<row>.<side>``
+        and the accel_ctx side's, all rows together, to ``path``."""
+        accel = None
+        for (row, side), profile in self.profiles.items():
+            stats = pstats.Stats(profile)
+            report("calls", rows.index(row), side, stats.total_calls / self.steps[(row, side)])
+            stats.dump_stats(f"{path}.{row.name.replace(' ', '-')}.{SIDE_FILES[side]}")
+            if side == ACCEL:
+                accel = pstats.Stats(profile) if accel is None else accel.add(profile)
+        if accel is not None:
+            accel.dump_stats(path)
+
+
+@contextmanager
+def counting(model: nn.Module, counts: Counter[str]) -> Iterator[None]:
+    """Count the collectives run (torch's profiler) and the optimizer steps that changed a weight."""
+    weight = list(model.parameters())[-1]  # the head's: a deep stack's first layers barely move
+    before: list[torch.Tensor] = []
+
+    def pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+        before[:] = [weight.detach().clone()]
+
+    def post(optimizer: Any, args: Any, kwargs: Any) -> None:
+        if before and not torch.equal(before.pop(), weight):
+            counts["optimizer steps (real)"] += 1
+
+    hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for event in prof.key_averages():
+        if event.key.startswith("gloo:") or event.key.startswith("c10d::"):
+            counts[event.key] += event.count
+
+
+def check_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
+    for index, row in enumerate(settings.rows):
+        model = make_model(row.model)
+        data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+        for side in (REF, ACCEL):
+            counts: Counter[str] = Counter()
+            ctx.observe = lambda r, s, m, n, counts=counts: counting(m, counts)  # type: ignore[misc]
+            SIDES[side](ctx, row, data, 1, 2)
+            report("check", index, side, dict(counts))
+
+
+# ------------------------------------------------------------------------------------------------
+# one rank
+# ------------------------------------------------------------------------------------------------
+def run_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
+    for index, row in enumerate(settings.rows):
+        model = make_model(row.model)
+        data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+        # A warm-up pair, discarded: first-call costs of both sides, and the block length.
+        epochs = 1
+        if settings.calibrate or index == 0:
+            probe = hand_written(ctx, row, data, settings.warmup_epochs, 1)
+            with_accel_ctx(ctx, row, data, settings.warmup_epochs, 1)
+            if settings.calibrate:
+                seconds_per_epoch = probe.wall * row.opt_steps_per_epoch
+                epochs = calibrate(seconds_per_epoch, settings.block_seconds, 1, settings.max_epochs)
+        # Everything alive now is long-lived: keep the collector from walking torch's objects
+        # at every block boundary (160 ms a full collection here) or in the middle of a block.
+        gc.collect()
+        gc.freeze()
+        report("epochs", index, epochs, None)
+        for block in plan(settings.pairs):
+            side = SIDES[ACCEL if block.side == ACCEL else REF]
+            gc.collect()  # the previous block's garbage, outside every timed region
+            report("sample", index, block, side(ctx, row, data, settings.warmup_epochs, epochs))
+
+
+def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world), ACCEL_CTX_INIT_METHOD=f"file://{tmp}/accel-store",
+    )
+    torch.set_num_threads(1)
+    assert_stock()  # captures the stock entry points before any scope opens
+
+    def report(*message: Any) -> None:
+        if rank == 0:  # timings are agreed between the ranks; counts are rank 0's
+            results.put(message)
+
+    try:
+        ctx = Rank(rank, world, f"{tmp}/hand-store")
+        if settings.check:
+            check_rows(ctx, settings, report)
+        else:
+            profiles = Profiles() if settings.profile and rank == 0 else None
+            if profiles is not None:
+                ctx.observe = profiles.observe
+            run_rows(ctx, settings, report)
+            if profiles is not None and settings.profile is not None:
+                profiles.finish(settings.profile, settings.rows, report)
+        results.put(("done", rank, None, None))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc(), None))
+
+
+# ------------------------------------------------------------------------------------------------
+# the parent
+# ------------------------------------------------------------------------------------------------
+def run(settings: Settings, world: int, timeout: float) -> Iterator[tuple[str, int, Any, Any]]:
+    """Start the ranks and yield what rank 0 reports until every rank is done."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="accel-ctx-bench-") as tmp:
+        procs = [
+            ctx.Process(target=worker, args=(r, world, tmp, settings, results))
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        done: set[int] = set()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(done) < world:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"step_time: ranks {set(range(world)) - done} timed out")
+                try:
+                    kind, a, b, c = results.get(timeout=1.0)
+                except queue.Empty:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise SystemExit(
+                            f"step_time: a rank died (exit code {dead[0].exitcode})"
+                        ) from None
+                    continue
+                if kind == "error":
+                    raise SystemExit(f"step_time: rank {a} failed:\n{b}")
+                if kind == "done":
+                    done.add(a)
+                    continue
+                yield kind, a, b, c
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def print_checks(settings: Settings, world: int) -> int:
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # quieter profiler in the ranks
+    counts: dict[int, dict[str, dict[str, int]]] = {}
+    for _, index, side, found in run(settings, world, timeout=900.0):
+        counts.setdefault(index, {})[side] = found
+    print("work done by rank 0 in 2 epochs (after 1 warm-up epoch), hand-written vs accel_ctx")
+    status = 0
+    for index, row in enumerate(settings.rows):
+        ref, accel = counts[index][REF], counts[index][ACCEL]
+        print(f"  {row.name}")
+        for key in sorted(set(ref) | set(accel)):
+            same = ref.get(key, 0) == accel.get(key, 0)
+            must_match = "all_reduce" in key or "optimizer steps" in key
+            flag = "" if same else ("   <-- MISMATCH" if must_match else "   (differs)")
+            status |= int(must_match and not same)
+            print(f"    {key:<34} {ref.get(key, 0):>6} {accel.get(key, 0):>6}{flag}")
+    print("check: " + ("same gradient all-reduces and optimizer steps on both sides" if status == 0
+                       else "the two sides do not do the same work"))
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 2 pairs, one short epoch per block (figures are noise)")
+    parser.add_argument("--pairs", type=int, help="alternating pairs per row (default 6; quick 2)")
+    parser.add_argument("--block-seconds", type=float,
+                        help="target length of one timed block (default 0.4)")
+    parser.add_argument("--models", default="mlp,deep200",
+                        help="comma list: mlp, deepN (a stack of ~N tiny modules)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
+    parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="cProfile rank 0's blocks: Python calls per step of both sides, "
+                        "the accel_ctx side's profile into FILE (timings then invalid)")
+    parser.add_argument("--check", action="store_true",
+                        help="count collectives and real optimizer steps per side; no timing")
+    args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    quick = args.quick
+    settings = Settings(
+        pairs=args.pairs or (2 if quick else 6),
+        block_seconds=args.block_seconds or 0.4,
+        calibrate=not quick or args.block_seconds is not None,
+        warmup_epochs=1,
+        max_epochs=100,
+        rows=tuple(
+            Row(m, mode, 8 if quick else 32) for m in args.models.split(",") if m for mode in modes
+        ),
+        profile=args.profile,
+        check=args.check,
+    )
+    torch.set_num_threads(1)
+    if settings.check:
+        return print_checks(settings, args.world)
+    length = (f"~{settings.block_seconds:g} s per timed block" if settings.calibrate
+              else "one epoch per timed block")
+    print(f"step_time: {args.world} ranks (gloo, CPU), per-rank batch {BATCH}, "
+          f"{settings.rows[0].batches_per_epoch} batches per rank and epoch, {settings.pairs} "
+          f"pairs per row, {length}; torch {torch.__version__}, {os.cpu_count()} CPUs",
+          flush=True)
+    start = time.perf_counter()
+    comparisons = [Comparison(row.name) for row in settings.rows]
+    calls: dict[int, dict[str, float]] = {}
+    for kind, index, block, sample in run(settings, args.world, timeout=1800.0):
+        name = comparisons[index].name
+        if kind == "epochs":
+            print(f"  {name:<22} {block} epochs per timed block", file=sys.stderr, flush=True)
+            continue
+        if kind == "calls":
+            calls.setdefault(index, {})[block] = sample
+            continue
+        comparisons[index].add(block, sample)
+        print(f"  {name:<22} pair {block.pair} {block.kind} {block.side:<2} "
+              f"{sample.wall * 1e3:8.3f} ms/step wall {sample.cpu * 1e3:8.3f} ms/step cpu",
+              file=sys.stderr, flush=True)
+    print(table(comparisons, "optimizer step", TARGET))
+    print(f"({time.perf_counter() - start:.0f} s)")
+    if args.profile:
+        print("\nPython function calls per optimizer step under cProfile (rank 0; deterministic,"
+              " unlike the times above, which cProfile inflates):")
+        print(f"  {'row':<22} {'hand-written':>12} {'accel_ctx':>10} {'extra':>7}")
+        for index, per_side in sorted(calls.items()):
+            ref, accel = per_side.get(REF, 0.0), per_side.get(ACCEL, 0.0)
+            print(f"  {comparisons[index].name:<22} {ref:>12.0f} {accel:>10.0f} {accel - ref:>+7.0f}")
+        print(f"\ncProfile of rank 0's accel_ctx blocks ({args.profile}), by internal time:")
+        pstats.Stats(args.profile).sort_stats("tottime").print_stats(25)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
