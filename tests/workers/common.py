@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import gc
+import os
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler, TensorDataset
@@ -108,3 +112,23 @@ class Stream(IterableDataset[int]):
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         return iter(range(self.n))
+
+
+R = TypeVar("R")
+
+
+def by_hand(fn: Callable[..., R], *args: Any) -> R:
+    """Run hand-written DDP code ``fn`` in a process group formed by hand (its own FileStore).
+
+    ``fn``'s DDP objects die when it returns and are collected before the group is destroyed:
+    with torch 2.13 a DDP reducer freed after its gloo group was destroyed can deadlock.
+    """
+    dist.init_process_group("gloo", init_method=os.environ["ACCEL_CTX_INIT_METHOD"] + "-hand",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        result = fn(*args)
+        gc.collect()
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()

@@ -10,17 +10,17 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from accel_ctx import accumulate, distributed, mixed_precision, state
+
+from .common import by_hand
 
 
 @dataclass
@@ -177,39 +177,33 @@ def train_scoped() -> dict[str, Any]:
 
 def train_by_hand() -> dict[str, Any]:
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method=os.environ["ACCEL_CTX_INIT_METHOD"] + "-hand",
-                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        torch.manual_seed(1337 + rank)
-        data_rng = torch.Generator().manual_seed(100 + rank)
-        model = GPT(GPTConfig())
-        optimizer = model.configure_optimizers(0.1, LR, (0.9, 0.95))
-        model = DDP(model)
-        ctx = torch.autocast("cpu", dtype=torch.bfloat16)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        X, Y = get_batch(data_rng)
-        for iter_num in range(MAX_ITERS):
-            for param_group in optimizer.param_groups:
-                param_group["lr"] = get_lr(iter_num)
-            for micro_step in range(ACCUM):
-                model.require_backward_grad_sync = micro_step == ACCUM - 1
-                with ctx:
-                    _logits, loss = model(X, Y)
-                    loss = loss / ACCUM
-                X, Y = get_batch(data_rng)
-                scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-        return {"params": params(model.module)}
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(1337 + rank)
+    data_rng = torch.Generator().manual_seed(100 + rank)
+    model = GPT(GPTConfig())
+    optimizer = model.configure_optimizers(0.1, LR, (0.9, 0.95))
+    model = DDP(model)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    X, Y = get_batch(data_rng)
+    for iter_num in range(MAX_ITERS):
+        for param_group in optimizer.param_groups:
+            param_group["lr"] = get_lr(iter_num)
+        for micro_step in range(ACCUM):
+            model.require_backward_grad_sync = micro_step == ACCUM - 1
+            with ctx:
+                _logits, loss = model(X, Y)
+                loss = loss / ACCUM
+            X, Y = get_batch(data_rng)
+            scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+    return {"params": params(model.module)}
 
 
 def run_both() -> dict[str, Any]:
     scoped = train_scoped()
-    with nullcontext():
-        hand = train_by_hand()
+    hand = by_hand(train_by_hand)
     return {"scoped": scoped, "hand": hand}

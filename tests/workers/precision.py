@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from accel_ctx import distributed, mixed_precision, state
 
-from .common import MLP, make_data, params
+from .common import MLP, by_hand, make_data, params
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,32 +32,26 @@ def _scoped(policy: str) -> tuple[list[Any], list[dict[str, torch.Tensor]], floa
 
 
 def _by_hand(policy: str, batches: list[Any]) -> tuple[list[dict[str, torch.Tensor]], float]:
-    store = os.environ["ACCEL_CTX_INIT_METHOD"] + "-hand"
-    dist.init_process_group("gloo", init_method=store, rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        torch.manual_seed(0)
-        model = MLP()
-        ddp = DistributedDataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-        scaler = torch.amp.GradScaler("cpu", enabled=policy == "fp16")
-        history = []
-        for x, y in batches:
-            with torch.autocast("cpu", dtype=DTYPES[policy]):
-                out = ddp(x)
-            scaler.scale(F.cross_entropy(out.float(), y)).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-            history.append(params(model))
-        return history, scaler.get_scale()
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = MLP()
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=policy == "fp16")
+    history = []
+    for x, y in batches:
+        with torch.autocast("cpu", dtype=DTYPES[policy]):
+            out = ddp(x)
+        scaler.scale(F.cross_entropy(out.float(), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        history.append(params(model))
+    return history, scaler.get_scale()
 
 
 def compare(policy: str) -> dict[str, Any]:
     batches, scoped, scale = _scoped(policy)
-    hand, hand_scale = _by_hand(policy, batches)
+    hand, hand_scale = by_hand(_by_hand, policy, batches)
     return {"scoped": scoped, "hand": hand, "scale": scale, "hand_scale": hand_scale}
 
 
