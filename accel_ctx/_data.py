@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _state
@@ -56,6 +56,12 @@ def _already_sharded(loader: DataLoader[Any]) -> bool:
     batch_sampler = loader.batch_sampler
     inner = getattr(batch_sampler, "sampler", None)
     return isinstance(sampler, DistributedSampler) or isinstance(inner, DistributedSampler)
+
+
+def _draws_no_randomness(loader: DataLoader[Any]) -> bool:
+    """In-order sampling (evaluation loaders): nothing to make the ranks agree on."""
+    inner = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    return type(inner) is SequentialSampler and not isinstance(loader.dataset, IterableDataset)
 
 
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
@@ -191,7 +197,13 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     plan = plan_for(loader, stack, skip)
     runtime = stack.dist
     # A resumed epoch replays its saved (already shared) start; the ranks' restored states stay.
-    if resume_rng is None and runtime is not None and runtime.world_size > 1 and not _already_sharded(loader):
+    if (
+        resume_rng is None
+        and runtime is not None
+        and runtime.world_size > 1
+        and not _already_sharded(loader)
+        and not _draws_no_randomness(loader)
+    ):
         sync_rng(loader, runtime)
     record.epoch += 1
     record.yielded = 0
