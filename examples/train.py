@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import distributed, mixed_precision, on_main_process, state
+from accel_ctx import distributed, mixed_precision, on_main_process, reduce, state
 
 
 def make_dataset(n: int = 2048, seed: int = 0) -> TensorDataset:
@@ -57,19 +57,18 @@ def main() -> None:
     torch.manual_seed(0)
     with distributed(), mixed_precision(args.precision):
         model = Net()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = DataLoader(make_dataset(), batch_size=64, shuffle=True)
         for epoch in range(args.epochs):
-            total, correct, seen = 0.0, 0, 0
+            sums = torch.zeros(3)  # loss, correct, samples of this rank
             for x, y in loader:
                 out = model(x)
                 loss = F.cross_entropy(out, y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                total += loss.item() * len(y)
-                correct += int((out.argmax(-1) == y).sum())
-                seen += len(y)
+                sums += torch.tensor([loss.item() * len(y), (out.argmax(-1) == y).sum().item(), len(y)])
+            total, correct, seen = reduce(sums).tolist()  # summed over all ranks
             report(epoch, total / seen, correct / seen)
 
 
