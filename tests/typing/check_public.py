@@ -37,3 +37,29 @@ assert_type(clip_grad_norm_([torch.ones(1)], 1.0), torch.Tensor)
 
 with distributed(timeout=30, find_unused_parameters=True) as scope:
     assert_type(scope, distributed)
+
+# --- process control, collectives, launcher, checkpoints
+from accel_ctx import (  # noqa: E402
+    Resumed,
+    gather,
+    gather_for_metrics,
+    launch,
+    load_state,
+    on_main_process,
+    reduce,
+    save_state,
+)
+
+
+@on_main_process
+def report(epoch: int) -> str:
+    return f"epoch {epoch}"
+
+
+assert_type(report(1), str | None)
+assert_type(gather(torch.ones(2)), torch.Tensor)
+assert_type(reduce({"loss": torch.ones(1)}), dict[str, torch.Tensor])
+assert_type(gather_for_metrics((torch.ones(2), torch.ones(2))), tuple[torch.Tensor, torch.Tensor])
+assert_type(load_state("ckpt"), Resumed)
+assert_type(launch(train_step, nprocs=2, args=(torch.ones(1),)), float)
+save_state("ckpt", model=torch.nn.Linear(1, 1))
