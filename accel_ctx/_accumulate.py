@@ -15,6 +15,7 @@ its last backward. Either way the step sees the mean over the micro-batches it a
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import ExitStack
 from typing import Any
 
@@ -25,10 +26,25 @@ from ._scope import Scope
 from .errors import ConfigurationError
 
 
-class AccumulateRuntime:
+class _PausesEngines:
+    """Remembers the user's own DDP engines whose sync flag a scope set, to set it back."""
+
+    def __init__(self) -> None:
+        self._engines: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def pause(self, engine: Any) -> None:
+        self._engines.add(engine)
+
+    def close(self) -> None:
+        for engine in list(self._engines):
+            engine.require_backward_grad_sync = True
+
+
+class AccumulateRuntime(_PausesEngines):
     """Counters of one ``accumulate(k)`` entry."""
 
     def __init__(self, steps: int) -> None:
+        super().__init__()
         self.steps = steps
         self.micro = 0  # backward passes so far in the current group
         self.groups = 0  # completed groups
@@ -40,7 +56,7 @@ class AccumulateRuntime:
     def _group_size(self, session: _state.Session) -> int:
         if self.size is None:
             size = self.steps
-            loader = session.active_loader()
+            loader = session.driving_loader()
             if loader is not None and loader.length is not None:
                 remaining = loader.length - max(loader.index, 0)
                 size = max(1, min(size, remaining))
@@ -49,7 +65,7 @@ class AccumulateRuntime:
 
     def will_sync(self, session: _state.Session) -> bool:
         """Whether the backward of the forward about to run closes the group."""
-        loader = session.active_loader()
+        loader = session.driving_loader()
         return self.micro + 1 >= self._group_size(session) or (
             loader is not None and loader.is_last
         )
@@ -61,7 +77,7 @@ class AccumulateRuntime:
     def after_backward(self, session: _state.Session, params: Any) -> None:
         self.micro += 1
         size = self._group_size(session)
-        loader = session.active_loader()
+        loader = session.driving_loader()
         if self.micro >= size or (loader is not None and loader.is_last):
             if self.micro < size:  # the loader ended a group of unknown length early
                 _rescale_grads(params(), size / self.micro)
@@ -133,11 +149,13 @@ class accumulate(Scope):
         self.steps = steps
 
     def _open(self, exits: ExitStack) -> AccumulateRuntime:
-        return AccumulateRuntime(self.steps)
+        runtime = AccumulateRuntime(self.steps)
+        exits.callback(runtime.close)
+        return runtime
 
 
-class NoSyncRuntime:
-    """Marker runtime: forwards inside skip DDP's gradient all-reduce."""
+class NoSyncRuntime(_PausesEngines):
+    """Forwards inside skip DDP's gradient all-reduce."""
 
 
 class no_sync(Scope):
@@ -160,4 +178,6 @@ class no_sync(Scope):
     concern = "sync"
 
     def _open(self, exits: ExitStack) -> NoSyncRuntime:
-        return NoSyncRuntime()
+        runtime = NoSyncRuntime()
+        exits.callback(runtime.close)
+        return runtime

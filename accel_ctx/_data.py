@@ -145,11 +145,11 @@ class _ShardedIndices:
                 return next(self._padding)
             index = self._position
             self._position += 1
+            if index < plan.world:  # the epoch's first batches pad its last round, resumed or not
+                self._first_round.append(item)
             if index < plan.skip:
                 continue
             local = index - plan.skip
-            if local < plan.world:
-                self._first_round.append(item)
             if local % plan.world == plan.rank:
                 return item
 
@@ -344,11 +344,11 @@ class ScopedIterator:
                 return self._padding.pop() if self._padding else _EMPTY
             index = self._global
             self._global += 1
+            if index < shard.world and shard.even:  # as for map-style: the epoch's first ones
+                self._first_round.append(batch)
             if index < shard.skip:
                 continue
             local = index - shard.skip
-            if local < shard.world and shard.even:
-                self._first_round.append(batch)
             if local % shard.world == shard.rank:
                 return batch
 

@@ -6,6 +6,7 @@ import difflib
 import gc
 import inspect
 import os
+import time
 import warnings
 import weakref
 from contextlib import ExitStack
@@ -23,7 +24,12 @@ from typing_extensions import Unpack
 from . import _env, _state
 from ._scope import Scope
 from ._tree import to_device
-from .errors import ConfigurationError, LaunchEnvironmentError, RendezvousError
+from .errors import (
+    ConfigurationError,
+    DistributedError,
+    LaunchEnvironmentError,
+    RendezvousError,
+)
 
 if TYPE_CHECKING:
     from ._precision import PrecisionRuntime
@@ -163,6 +169,8 @@ def _pick_device(options: DistributedOptions, launch: _env.LaunchEnv) -> torch.d
         return torch.device(options.device)
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
+        if count == 1:  # one GPU per process (CUDA_VISIBLE_DEVICES / srun --gpus-per-task)
+            return torch.device("cuda", 0)
         if launch.local_rank >= count:
             raise LaunchEnvironmentError(
                 f"local rank {launch.local_rank} has no GPU of its own: this node has {count}. "
@@ -222,6 +230,8 @@ def _init_process_group(
         f"{options.init_method or launch.init_method or f'{launch.master_addr}:{launch.master_port}'})"
     )
     seconds = options.timeout.total_seconds()
+    _check_backend(backend)
+    started = time.monotonic()
     try:
         base = _rendezvous(launch, options)
         # A fresh key prefix per process group: sequential scopes and elastic restarts reuse
@@ -238,11 +248,29 @@ def _init_process_group(
         # Kept for the process's next scopes only once a group formed with it.
         _state.cache_store(_store_key(launch, options), base)
     except Exception as exc:
+        if time.monotonic() - started < 0.9 * seconds and "timeout" not in str(exc).lower():
+            raise DistributedError(
+                f"{where}: the process group could not be set up: {exc}"
+            ) from exc
         raise RendezvousError(
             f"{where}: the process group did not form within {seconds:g} s ({exc}). Check that "
             f"all {launch.world_size} processes were started with the same MASTER_ADDR/"
             "MASTER_PORT and can reach rank 0; raise distributed(timeout=...) if start-up is slow."
         ) from exc
+
+
+def _check_backend(backend: str) -> None:
+    names = [part.split(":")[-1] for part in backend.split(",")]
+    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+                 "mpi": dist.is_mpi_available()}
+    for name in names:
+        if not available.get(name, True):
+            usable = [n for n, ok in available.items() if ok]
+            raise ConfigurationError(
+                f"distributed(backend={backend!r}): this torch build has no {name} backend "
+                f"(available: {', '.join(usable) or 'none'}). Leave backend=None to pick one "
+                "that works on the device, or install a torch build with it."
+            )
 
 
 class DistributedRuntime:
@@ -272,6 +300,7 @@ class DistributedRuntime:
         self._undo_batchnorm: list[tuple[nn.Module, str, nn.Module]] = []
         self._warned_batchnorm = False
         self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
+        self._parts_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -306,30 +335,63 @@ class DistributedRuntime:
         return cls(outer.launch, outer.device, outer.backend, options, outer.base)
 
     # ---- modules -------------------------------------------------------------------------------
-    def prepare(self, module: nn.Module) -> tuple[Any, Any]:
-        """What to call for a top-level call of ``module``, and its DDP engine (or None)."""
-        record = _state.module_record(module)
-        if record is not None and record.owner is self.base:
-            if record.root:
-                engine = record.engine
-                return (engine if engine is not None else module), engine
-            return module, None  # a part of an adopted model, called on its own
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            return module, module  # the user's own DDP: leave it to them
-        if _managed_elsewhere(module):
-            return module, None
-        engine = self._adopt(module)
-        return (engine if engine is not None else module), engine
+    def prepare(self, module: nn.Module, grad: bool) -> tuple[Any, Any]:
+        """What to call for a top-level call of ``module``, and its DDP engine (or None).
 
-    def _adopt(self, module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+        The engine is built at the first call with gradients enabled, and calls without
+        gradients run the module itself: an evaluation or a preview in rank-only code (no
+        backward to synchronise) then runs no collective that other ranks would have to join.
+        """
+        record = _state.module_record(module)
+        if record is None or record.owner is not self.base:
+            if isinstance(module, nn.parallel.DistributedDataParallel):
+                return module, module  # the user's own DDP: leave it to them
+            if _managed_elsewhere(module):
+                return module, None
+            record = self._adopt(module)
+        if not record.root:  # a part of an adopted model, called on its own
+            if grad and self.world_size > 1:
+                self.base._check_part(module)
+            return module, None
+        if not grad:
+            return module, None
+        if record.engine is None:  # decided once, at the first call that records gradients
+            record.engine = self._engine_for(module) or False
+        engine = record.engine
+        return (engine, engine) if engine else (module, None)
+
+    def _adopt(self, module: nn.Module) -> _state.ModuleRecord:
         base = self.base
         for sub in module.modules():
             record = _state.module_record(sub)
             if sub is not module and record is not None and record.root and record.owner is base:
                 base._release(sub)  # a part was called first; the whole model takes over
         self._move(module)
+        root = _state.ModuleRecord(base, True)
+        for sub in module.modules():
+            _state.set_module_record(sub, root if sub is module else _state.ModuleRecord(base, False))
+        base.adopted.add(module)
+        return root
+
+    def _check_part(self, part: nn.Module) -> None:
+        if part in self._parts_checked:
+            return
+        self._parts_checked.add(part)
+        if self.rank == 0 and any(p.requires_grad for p in part.parameters()):
+            warnings.warn(
+                f"a {type(part).__name__} inside an adopted model was called on its own with "
+                "gradients enabled: DDP averages gradients only for calls of the whole model, "
+                "so the gradients of this call stay local to each rank and the ranks drift "
+                "apart. Call the model itself (move this use into its forward), or wrap the "
+                "call in torch.no_grad() if no gradients are needed.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _engine_for(self, module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
         trainable = any(p.requires_grad for p in module.parameters())
         engine = None
+        base = self.base
         if trainable and self.world_size > 1 and dist.is_initialized():
             if self.options.sync_batchnorm and self.device.type in ("cuda", "xpu"):
                 base._undo_batchnorm.extend(_convert_batchnorm(module))
@@ -344,9 +406,6 @@ class DistributedRuntime:
                         stacklevel=4,
                     )
             engine = self._ddp(module)
-        for sub in module.modules():
-            _state.set_module_record(sub, _state.ModuleRecord(base, sub is module, engine))
-        base.adopted.add(module)
         return engine
 
     def _move(self, module: nn.Module) -> None:
@@ -436,7 +495,7 @@ class DistributedRuntime:
         engines = False
         for module in list(self.adopted):
             record = _state.module_record(module)
-            engines = engines or (record is not None and record.engine is not None)
+            engines = engines or (record is not None and bool(record.engine))
             self._release(module)
         if engines:
             # DDP engines sit in reference cycles; free them (and the process group they hold)
@@ -455,7 +514,9 @@ def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:
             f"environment says rank {launch.rank} of {launch.world_size}; make them agree."
         )
     if not launch.is_distributed:
-        launch = replace(launch, source="process group", local_world_size=world, num_nodes=1)
+        # no launcher variables: assume one machine, as the group's creator most likely did
+        launch = replace(launch, source="process group", local_rank=rank,
+                         local_world_size=world, num_nodes=1)
     return replace(launch, rank=rank, world_size=world)
 
 

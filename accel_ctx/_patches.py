@@ -16,6 +16,8 @@ override ``__iter__``, classes defined after the first scope opened, and names b
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -37,6 +39,7 @@ _IN_BACKWARD: ContextVar[bool] = ContextVar("accel_ctx_in_backward", default=Fal
 
 _lock = threading.RLock()
 _users = 0
+_fork_hook = False
 _undo: list[Callable[[], None]] = []
 _stock_backward: Any = None
 _stock_module_call: Any = None
@@ -89,11 +92,24 @@ def _classes_defining(base: type, name: str) -> Iterator[type]:
 # ------------------------------------------------------------------------------------------------
 def acquire() -> None:
     """Install every patch if this is the first open scope of the process."""
-    global _users
+    global _users, _fork_hook
     with _lock:
+        if not _fork_hook:
+            os.register_at_fork(after_in_child=_forget_in_forked_child)
+            _fork_hook = True
         if _users == 0:
             _install()
         _users += 1
+
+
+def _forget_in_forked_child() -> None:
+    """A forked child (DataLoader worker, launch()) has none of its parent's scopes open."""
+    global _users, _lock
+    _lock = threading.RLock()  # the parent's may have been held by a thread that is gone
+    if _users:
+        _users = 0
+        with contextlib.suppress(PatchConflictError):
+            _uninstall()
 
 
 def release() -> None:
@@ -198,8 +214,9 @@ def _top_level_call(
     if not stack.owned_here():  # a forked worker or a thread that inherited the context
         return _stock_module_call(module, *args, **kwargs)
     runtime = stack.dist
+    grad = torch.is_grad_enabled()
     if runtime is not None:
-        call, engine = runtime.prepare(module)
+        call, engine = runtime.prepare(module, grad)
         if engine is None or runtime.device.type != "cuda":
             args, kwargs = runtime.inputs_to_device(args, kwargs)
         device_type: str | None = runtime.device.type
@@ -207,16 +224,18 @@ def _top_level_call(
         call = module
         engine = module if isinstance(module, nn.parallel.DistributedDataParallel) else None
         device_type = None
-    if engine is not None and torch.is_grad_enabled():
+    if engine is not None and grad:
         accumulation, no_sync = stack.accumulate, stack.sync
         if engine is not module or accumulation is not None or no_sync is not None:
             engine.require_backward_grad_sync = no_sync is None and (
                 accumulation is None or accumulation.will_sync(stack.session)
             )
+            if engine is module:  # the user's own DDP: set back when that scope closes
+                (no_sync or accumulation).pause(engine)  # type: ignore[union-attr]
     precision = stack.effective_precision()
     token = _state.enter_forward(stack)
     try:
-        if precision is None or precision.dtype is None:
+        if precision is None:
             return call(*args, **kwargs)
         with precision.autocast(device_type or _module_device_type(module)):
             out = call(*args, **kwargs)

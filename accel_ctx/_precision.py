@@ -10,7 +10,7 @@ optimizers stepping on one backward all unscale with the scale their gradients w
 from __future__ import annotations
 
 import warnings
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -117,8 +117,8 @@ class PrecisionRuntime:
 
     # ---- forward -------------------------------------------------------------------------------
     def autocast(self, device_type: str) -> AbstractContextManager[Any]:
-        if self.dtype is None:
-            return nullcontext()
+        if self.dtype is None:  # "no" turns off an enclosing autocast too
+            return torch.autocast(device_type, enabled=False)
         self._check(device_type)
         return torch.autocast(device_type, dtype=self.dtype)
 
@@ -249,6 +249,9 @@ class mixed_precision(Scope):
         _state.register_precision(runtime)
         exits.callback(_state.unregister_precision, runtime)
         exits.callback(runtime.close)
+        if below is not None and below.in_forward:  # opened inside a forward: applies at once
+            default = "cuda" if torch.cuda.is_available() else "cpu"
+            exits.enter_context(runtime.autocast(device_type or default))
         return runtime
 
 

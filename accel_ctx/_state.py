@@ -125,7 +125,9 @@ def push(frame: Frame) -> tuple[Stack, Token[Stack | None]]:
     below = current()
     frames = (*below.frames, frame) if below is not None else (frame,)
     session = below.session if below is not None else Session()
-    stack = _build(frames, session)
+    # A scope opened inside a forward (or a decorated helper it calls) stays inside it: its
+    # module calls are not top-level calls.
+    stack = _build(frames, session, in_forward=below is not None and below.in_forward)
     object.__setattr__(stack, "forward", _build(frames, session, in_forward=True))
     return stack, _STACK.set(stack)
 
@@ -211,7 +213,13 @@ class Session:
         return record
 
     def active_loader(self) -> LoaderIteration | None:
+        """The loader that handed out a batch most recently started (an inner loop's)."""
         return self.loaders[-1] if self.loaders else None
+
+    def driving_loader(self) -> LoaderIteration | None:
+        """The outermost loader being iterated: it ends accumulation groups (not a side stream
+        or an evaluation loop inside the training loop)."""
+        return self.loaders[0] if self.loaders else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,10 +238,12 @@ class ModuleRecord:
 
     __slots__ = ("engine", "owner", "root")
 
-    def __init__(self, owner: object, root: bool, engine: Any = None) -> None:
+    def __init__(self, owner: object, root: bool) -> None:
         self.owner = owner
         self.root = root
-        self.engine = engine
+        # the DDP engine of a root: None until its first call with gradients, then the engine,
+        # or False when it needs none (nothing to train, or a single process)
+        self.engine: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
         return {}

@@ -65,3 +65,15 @@ def test_bad_scope_arguments():
         accumulate(0)
     with pytest.raises(ConfigurationError, match="True or False"):
         distributed(even_batches="yes")  # type: ignore[arg-type]
+
+
+def test_a_backend_this_build_lacks_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCEL_CTX_INIT_METHOD", f"file://{tmp_path / 'store'}")
+    import torch.distributed as dist
+
+    if dist.is_nccl_available():
+        pytest.skip("this build has NCCL")
+    with pytest.raises(ConfigurationError, match="no nccl backend"), distributed(backend="nccl"):
+        pass

@@ -54,7 +54,7 @@ def test_several_models_are_synchronised_and_frozen_ones_are_not_wrapped(ranks):
         _allclose(gen, gen0)  # started from rank 0's weights, gradients averaged
         _allclose(disc, disc0)
     for r in results:
-        assert r["identity"]["frozen_engine"] is None
+        assert r["identity"]["frozen_engine"] is False
     # the frozen model was never synchronised: ranks keep their own random init
     assert not torch.equal(results[0]["identity"]["frozen"]["weight"], results[1]["identity"]["frozen"]["weight"])
 
@@ -136,3 +136,29 @@ def test_persistent_workers_are_sharded_every_epoch(ranks):
         assert set(seen) == set(range(14))
         assert len(seen) - 14 < 2 * world  # only the documented padding repeats samples
     assert results[0]["sharding"]["persistent"][0] != results[0]["sharding"]["persistent"][1]
+
+
+def test_rank_only_preview_does_not_hang_and_training_stays_in_sync(ranks):
+    _, results = ranks
+    first = results[0]["rank_only"]["after_preview"]
+    for r in results[1:]:
+        _allclose(r["rank_only"]["after_preview"], first)
+
+
+def test_a_part_called_alone_with_gradients_warns_on_rank_zero(ranks):
+    _, results = ranks
+    assert [r["rank_only"]["part_warned"] for r in results] == [True] + [False] * (len(results) - 1)
+
+
+def test_no_sync_sets_the_users_own_ddp_back(ranks):
+    _, results = ranks
+    assert all(r["rank_only"]["own_flag_after_no_sync"] is True for r in results)
+    for r in results[1:]:  # synchronised again: the same averaged gradient on every rank
+        torch.testing.assert_close(r["rank_only"]["own_grad"], results[0]["rank_only"]["own_grad"])
+
+
+def test_a_group_formed_by_the_user_is_used_and_left_alone(ranks):
+    world, results = ranks
+    for rank, r in enumerate(results):
+        assert r["rank_only"]["own_group"] == (rank, rank, world, world)
+        assert r["rank_only"]["own_group_alive"] is True

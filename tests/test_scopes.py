@@ -254,3 +254,50 @@ def test_optimizer_state_follows_the_adopted_model_to_its_device():
         model(torch.randn(3, 4)).sum().backward()
         opt.step()
         assert opt.state[model.weight]["exp_avg"].device.type == "meta"
+
+
+def test_a_scope_opened_inside_a_forward_stays_inside_it():
+    calls = []
+
+    @mixed_precision("bf16")
+    def helper(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer(x)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with mixed_precision("no"):  # turns the enclosing autocast off here
+                full = self.a(x)
+            calls.append(full.dtype)
+            inner = helper(self.b, x)  # a decorated helper: its calls are not top-level calls
+            calls.append(inner.dtype)
+            return full + inner.float()
+
+    with mixed_precision("bf16"):
+        Net()(torch.randn(2, 4))
+    assert calls == [torch.float32, torch.bfloat16]
+
+
+def test_an_inner_side_loader_does_not_end_accumulation_groups():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    side = DataLoader(TensorDataset(torch.ones(3, 2)), batch_size=1)
+    flags = []
+    with accumulate(2):
+        side_iter = None
+        for (x,) in DataLoader(TensorDataset(torch.ones(8, 2)), batch_size=1):
+            if side_iter is None:
+                side_iter = iter(side)
+            extra = next(side_iter, None)
+            if extra is None:  # a short side stream, restarted
+                side_iter = iter(side)
+                extra = next(side_iter)
+            (model(x) + model(extra[0])).sum().backward()
+            flags.append(state().sync_gradients)
+            opt.step()
+            opt.zero_grad()
+        assert state().step == 4
+    assert flags == [False, True] * 4

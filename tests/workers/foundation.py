@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from accel_ctx import _state, distributed, state
+from accel_ctx import _state, distributed, no_sync, on_main_process, state
 
 from .common import (
     MLP,
@@ -74,7 +74,7 @@ def identity_and_models() -> dict[str, Any]:
             og.zero_grad()
             od.zero_grad()
         out["gan"] = params(gen), params(disc)
-        out["frozen_engine"] = _state.module_record(frozen).engine  # type: ignore[union-attr]
+        out["frozen_engine"] = bool(_state.module_record(frozen).engine)  # type: ignore[union-attr]
         out["frozen"] = params(frozen)
         out["len_loader"] = len(loader)
     # after the scope: no DDP, no record; backward outside does not synchronise
@@ -145,10 +145,55 @@ def sharding() -> dict[str, Any]:
     return out
 
 
+def rank_only_and_parts() -> dict[str, Any]:
+    """Rank-only previews, parts of a model called alone, the user's own DDP and group."""
+    out: dict[str, Any] = {}
+    with distributed():
+        torch.manual_seed(state().rank)  # different init per rank
+        model = MLP()
+
+        @on_main_process
+        def preview() -> torch.Tensor:
+            with torch.no_grad():  # a first call on rank 0 only: no collective, no hang
+                return model(torch.ones(2, 8))
+
+        preview()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
+        opt.step()
+        out["after_preview"] = params(model)  # rank 0's weights everywhere, then one step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.net(torch.randn(4, 8)).sum().backward()  # a part, alone, with gradients
+        out["part_warned"] = any("called on its own" in str(w.message) for w in caught)
+
+        # the user's own DDP inside the scope: no_sync() pauses it, and only while open
+        own = nn.parallel.DistributedDataParallel(nn.Linear(3, 1))
+        with no_sync():
+            own(torch.ones(2, 3)).sum().backward()
+        out["own_flag_after_no_sync"] = own.require_backward_grad_sync
+        own.zero_grad()
+        own(torch.full((2, 3), float(state().rank + 1))).sum().backward()
+        out["own_grad"] = own.module.weight.grad.clone()  # type: ignore[union-attr]
+        del own
+    # a group the user formed first: distributed() uses it and leaves it to them
+    dist.init_process_group("gloo", init_method=os.environ["ACCEL_CTX_INIT_METHOD"] + "-own",
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        with distributed():
+            s = state()
+            out["own_group"] = (s.rank, s.local_rank, s.world_size, s.local_world_size)
+        out["own_group_alive"] = dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def run_all(batch_size: int) -> dict[str, Any]:
     return {
         "equivalence": equivalence(batch_size),
         "identity": identity_and_models(),
         "sequential": sequential_scopes(batch_size),
         "sharding": sharding(),
+        "rank_only": rank_only_and_parts(),
     }
