@@ -91,7 +91,11 @@ class _IndexView:
 
 
 class _ShardedIndices:
-    """Rank ``r``'s batches of one epoch, with the wrap-around padding of the last round."""
+    """Rank ``r``'s batches of one epoch, with the wrap-around padding of the last round.
+
+    The source is the loader's index sampler (map-style: only indices are walked) or the stock
+    iterator itself (iterable datasets: every batch is fetched, the others' are dropped).
+    """
 
     def __init__(self, original: Any, plan: ShardPlan) -> None:
         self.original = original
@@ -145,7 +149,7 @@ class _ShardedIndices:
                 return next(self._padding)
             index = self._position
             self._position += 1
-            if index < plan.world:  # the epoch's first batches pad its last round, resumed or not
+            if index < plan.world and plan.even:  # they pad the last round, resumed or not
                 self._first_round.append(item)
             if index < plan.skip:
                 continue
@@ -300,21 +304,18 @@ class ScopedIterator:
         length: int | None,
         shard: ShardPlan | None,
     ) -> None:
-        self._it = it
+        self._stock = it
+        # iterable datasets cannot be indexed: shard the fetched batches with the same rules
+        self._sharded = _ShardedIndices(it, shard) if shard is not None else None
+        self._it: Iterator[Any] = self._sharded if self._sharded is not None else it
         self._session = session
         self._record = record
         self._device = device if device is not None and device.type != "cpu" else None
         self._non_blocking = pin_memory and device is not None and device.type == "cuda"
         self._iteration = _state.LoaderIteration(length)
-        self._shard = shard
         self._pending: Any = _EMPTY
         self._registered = False
         self._exhausted = False
-        self._first_round: list[Any] = []
-        self._global = 0
-        self._padding: list[Any] | None = None
-        self._pulled = 0  # own batches taken from the stock iterator (look-ahead included)
-        self._padding_start: int | None = None
 
     def __iter__(self) -> ScopedIterator:
         return self
@@ -322,42 +323,12 @@ class ScopedIterator:
     def __len__(self) -> int:
         if self._iteration.length is not None:
             return self._iteration.length
-        return len(self._it)  # type: ignore[arg-type]
-
-    def _pull_own(self) -> Any:
-        """Next batch of this rank from the stock iterator (iterable datasets shard here)."""
-        shard = self._shard
-        if shard is None or (shard.world == 1 and shard.skip == 0):
-            return next(self._it, _EMPTY)
-        if self._padding is not None:
-            return self._padding.pop() if self._padding else _EMPTY
-        while True:
-            batch = next(self._it, _EMPTY)
-            if batch is _EMPTY:
-                total = self._global - shard.skip
-                self._padding_start = self._pulled
-                self._padding = []
-                first_missing = total % shard.world
-                if shard.even and total and first_missing and shard.rank >= first_missing:
-                    rounds = self._first_round
-                    self._padding.append(rounds[(shard.rank - first_missing) % len(rounds)])
-                return self._padding.pop() if self._padding else _EMPTY
-            index = self._global
-            self._global += 1
-            if index < shard.world and shard.even:  # as for map-style: the epoch's first ones
-                self._first_round.append(batch)
-            if index < shard.skip:
-                continue
-            local = index - shard.skip
-            if local % shard.world == shard.rank:
-                return batch
+        return len(self._stock)  # type: ignore[arg-type]
 
     def _is_padding(self, index: int) -> bool:
-        if self._shard is not None:  # iterable dataset: padding made here
-            start = self._padding_start
-        else:  # map-style: padding made by the index view of this epoch
-            indices = self._record.indices
-            start = indices.padding_start if isinstance(indices, _ShardedIndices) else None
+        # iterable datasets: padded here; map-style: by the index view of this epoch
+        indices = self._sharded if self._sharded is not None else self._record.indices
+        start = indices.padding_start if isinstance(indices, _ShardedIndices) else None
         return start is not None and index >= start
 
     def __next__(self) -> Any:
@@ -366,8 +337,7 @@ class ScopedIterator:
         if self._pending is not _EMPTY:
             batch, self._pending = self._pending, _EMPTY
         else:
-            batch = self._pull_own()
-            self._pulled += 1
+            batch = next(self._it, _EMPTY)
         if batch is _EMPTY:
             self._finish()
             raise StopIteration
@@ -377,8 +347,7 @@ class ScopedIterator:
         if iteration.length is not None:
             iteration.is_last = iteration.index >= iteration.length - 1
         else:  # unknown length: look one batch ahead to know whether this one is the last
-            self._pending = self._pull_own()
-            self._pulled += 1
+            self._pending = next(self._it, _EMPTY)
             iteration.is_last = self._pending is _EMPTY
         if not self._registered:
             self._session.loaders.append(iteration)

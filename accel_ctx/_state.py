@@ -14,7 +14,7 @@ import atexit
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,10 +46,6 @@ def ensure_fork_hook() -> None:
     if not _fork_hook_registered:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _fork_hook_registered = True
-
-
-def pid() -> int:
-    return _pid
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,11 +351,6 @@ def next_pg_generation() -> int:
     with _process_lock:
         _pg_generation += 1
         return _pg_generation
-
-
-def iter_frames() -> Iterator[Frame]:
-    stack = current()
-    return iter(stack.frames if stack is not None else ())
 
 
 # --------------------------------------------------------------------------------------------
