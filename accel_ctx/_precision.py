@@ -9,6 +9,7 @@ optimizers stepping on one backward all unscale with the scale their gradients w
 
 from __future__ import annotations
 
+import os
 import warnings
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
@@ -39,8 +40,6 @@ _ALIASES = {
 
 def _policy_name(policy: str | None) -> str:
     if policy is None:
-        import os
-
         policy = os.environ.get(_env.MIXED_PRECISION_VAR, "no")
     if not isinstance(policy, str):
         raise ConfigurationError(
@@ -185,8 +184,6 @@ class PrecisionRuntime:
 
 def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRuntime | None:
     """The launcher's ``--mixed-precision`` as a default for ``distributed()`` (lowest priority)."""
-    import os
-
     name = os.environ.get(_env.MIXED_PRECISION_VAR)
     if not name or _policy_name(name) == "no":
         return None
