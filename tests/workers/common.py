@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -117,13 +118,27 @@ class Stream(IterableDataset[int]):
 R = TypeVar("R")
 
 
+_own_groups = itertools.count()
+
+
+def own_init_method(tag: str) -> str:
+    """A rendezvous URL for a process group formed by hand, never used before in this run.
+
+    A FileStore file lives until its last client closes it: a second group formed on the same path
+    can read the first group's stale addresses ("Gloo connectFullMesh failed ... Connection
+    refused") and leave the peer waiting. Every rank forms its own groups in the same order, so a
+    per-process counter names the same fresh file on every rank.
+    """
+    return f"{os.environ['ACCEL_CTX_INIT_METHOD']}-{tag}-{next(_own_groups)}"
+
+
 def by_hand(fn: Callable[..., R], *args: Any) -> R:
     """Run hand-written DDP code ``fn`` in a process group formed by hand (its own FileStore).
 
     ``fn``'s DDP objects die when it returns and are collected before the group is destroyed:
     with torch 2.13 a DDP reducer freed after its gloo group was destroyed can deadlock.
     """
-    dist.init_process_group("gloo", init_method=os.environ["ACCEL_CTX_INIT_METHOD"] + "-hand",
+    dist.init_process_group("gloo", init_method=own_init_method("hand"),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         result = fn(*args)

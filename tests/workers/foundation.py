@@ -20,6 +20,7 @@ from .common import (
     LoggingDataset,
     Stream,
     make_data,
+    own_init_method,
     params,
     train,
 )
@@ -177,7 +178,7 @@ def rank_only_and_parts() -> dict[str, Any]:
         out["own_grad"] = own.module.weight.grad.clone()  # type: ignore[union-attr]
         del own
     # a group the user formed first: distributed() uses it and leaves it to them
-    dist.init_process_group("gloo", init_method=os.environ["ACCEL_CTX_INIT_METHOD"] + "-own",
+    dist.init_process_group("gloo", init_method=own_init_method("own"),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     try:
         with distributed():
