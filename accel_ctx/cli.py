@@ -129,7 +129,8 @@ def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = 
     except ChildFailedError as exc:
         print(describe_failure(exc, settings.get("max_restarts", 0)), file=sys.stderr)
         if network_note:
-            print(f"accel-ctx launch:{network_note}", file=sys.stderr)
+            print(f"accel-ctx launch: if the failure is ranks not reaching each other:"
+                  f"{network_note}", file=sys.stderr)
         return failure_exit_code(exc)
     except RendezvousError as exc:
         where = args[args.index("--rdzv-endpoint") + 1] if "--rdzv-endpoint" in args else "?"

@@ -7,11 +7,10 @@ import warnings
 
 import pytest
 
-from accel_ctx import _netif, _precision, launch, mixed_precision
+from accel_ctx import _precision, cli, launch, mixed_precision
 from accel_ctx._config_cmd import config_main
 from accel_ctx._launch_args import plan
-from accel_ctx._netif import Route
-from accel_ctx.cli import failure_exit_code, interrupted, main, torchrun_arity
+from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 
 ARITY = torchrun_arity()
@@ -19,6 +18,12 @@ ARITY = torchrun_arity()
 
 @pytest.fixture
 def home(tmp_path, monkeypatch):
+    """An isolated config folder; torchrun is never reached (a bad value must stop before)."""
+
+    def no_torchrun(*args, **kwargs):
+        pytest.fail(f"the launcher went on to start torchrun with {args[0]}")
+
+    monkeypatch.setattr(cli, "run_torchrun", no_torchrun)
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     monkeypatch.delenv("ACCEL_CTX_MAX_NPROC", raising=False)
     project = tmp_path / "project"
@@ -30,7 +35,8 @@ def home(tmp_path, monkeypatch):
 
 def make(argv, environ=None, route=None):
     env = {"XDG_CONFIG_HOME": "/nonexistent"} if environ is None else environ
-    return plan(argv, ARITY, env, gpus=lambda: 0, route=route)
+    extra = {} if route is None else {"route": route}
+    return plan(argv, ARITY, env, gpus=lambda: 0, **extra)
 
 
 def flag(args, name):
@@ -118,6 +124,8 @@ def test_absurd_process_counts_are_refused_up_front(home, capsys, monkeypatch):
 # --- 14: exit codes ---
 
 def test_exit_codes_follow_the_script_and_the_shell(capsys):
+    from accel_ctx.cli import failure_exit_code, interrupted
+
     class Failure:
         def __init__(self, code):
             self.exitcode = code
@@ -141,7 +149,7 @@ def test_exit_codes_follow_the_script_and_the_shell(capsys):
 def test_an_explicit_policy_wins_and_a_conflict_with_the_launcher_warns_once(monkeypatch):
     monkeypatch.setenv("ACCEL_CTX_MIXED_PRECISION", "bf16")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(_precision, "_CONFLICTS_REPORTED", set())
+    monkeypatch.setattr(_precision, "_CONFLICTS_REPORTED", set(), raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -164,6 +172,8 @@ def test_an_explicit_policy_wins_and_a_conflict_with_the_launcher_warns_once(mon
 # --- 20: what a node advertises, and which interface its workers use ---
 
 def test_node_zero_advertises_the_master_and_others_their_address_towards_it():
+    from accel_ctx._netif import Route
+
     def route(host, port):
         assert (host, port) == ("10.0.0.5", 29400)
         return Route("10.0.0.7", "eth1")
@@ -188,6 +198,8 @@ def test_node_zero_advertises_the_master_and_others_their_address_towards_it():
 
 
 def test_a_master_that_resolves_to_loopback_on_node_zero_is_said_at_once():
+    from accel_ctx._netif import Route
+
     p = make(["--nnodes", "2", "--node-rank", "0", "--master", "node0:29400", "t.py"],
              route=lambda h, port: Route("127.0.1.1", "lo"))
     assert "resolves to 127.0.1.1 (loopback)" in p.network.warning
@@ -199,6 +211,8 @@ def test_a_master_that_resolves_to_loopback_on_node_zero_is_said_at_once():
 
 
 def test_the_route_to_loopback_is_found_on_this_machine():
+    from accel_ctx import _netif
+
     found = _netif.route_to("127.0.0.1", 29500)
     assert found is not None and found.address == "127.0.0.1" and found.is_loopback
     assert found.interface == _netif.interface_of("127.0.0.1") and found.interface

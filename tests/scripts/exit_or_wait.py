@@ -9,6 +9,7 @@ gives up after 60 s, so a test never hangs.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -17,12 +18,13 @@ mode, arg = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
 if mode == "exit" and rank == 1:
     sys.exit(int(arg))
-if mode == "wait":
-    tmp = Path(arg) / f".pid.{rank}"
-    tmp.write_text(str(os.getpid()))
-    os.replace(tmp, Path(arg) / f"pid.{rank}")
 try:
+    if mode == "wait":
+        tmp = Path(arg) / f".pid.{rank}"
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, Path(arg) / f"pid.{rank}")
     time.sleep(60)
 except KeyboardInterrupt:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher forwards a second Ctrl-C
     sys.exit(130)
 sys.exit("exit_or_wait.py: nobody stopped this rank within 60 s")
