@@ -141,6 +141,7 @@ def check(key: str, value: Any, where: str) -> Any:
         )
     if isinstance(value, str):
         value = value.strip()
+    given = value  # the value as the user wrote it: errors quote it, never a half-parsed one
     problem = ""
     if key == "nproc":
         if value == "auto":
@@ -150,15 +151,12 @@ def check(key: str, value: Any, where: str) -> Any:
             problem = "give a number of processes per node (1 or more) or 'auto'"
         value = number
     elif key == "nnodes":
-        text = str(value)
-        match = re.fullmatch(r"(\d+)(?::(\d+))?", text)
-        if not match or int(match.group(1)) < 1 or int(match.group(2) or match.group(1)) < int(
-            match.group(1)
-        ):
-            problem = "give a number of machines (1 or more), or MIN:MAX with MIN <= MAX"
-        elif match.group(2) is None:
-            return int(text)
-        return text
+        match = re.fullmatch(r"(\d+)(?::(\d+))?", str(value)) if not isinstance(value, bool) else None
+        low, high = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
+        if low < 1 or high < low:
+            problem = "give a number of machines (1 or more), or MIN:MAX with 1 <= MIN <= MAX"
+        else:
+            value = low if low == high and match and match.group(2) is None else f"{low}:{high}"
     elif key in ("node_rank", "max_restarts"):
         number = _as_int(value)
         if number is None or number < 0:
@@ -173,7 +171,7 @@ def check(key: str, value: Any, where: str) -> Any:
             problem = "give 'no', 'bf16' or 'fp16'"
         value = name
     if problem:
-        raise ConfigurationError(f"{where}: {value!r} is not valid ({KEYS[key]}); {problem}.")
+        raise ConfigurationError(f"{where}: {given!r} is not valid ({KEYS[key]}); {problem}.")
     return value
 
 

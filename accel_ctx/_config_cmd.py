@@ -104,7 +104,7 @@ def _check_nodes(values: dict[str, Any]) -> None:
 
 
 def _interview(current: dict[str, Any], ask: Callable[[str], str]) -> dict[str, Any] | None:
-    """One question per setting; an invalid answer is explained and asked again."""
+    """One question per setting; an invalid answer is explained and asked again at once."""
     values: dict[str, Any] = {}
     try:
         for key in ("nproc", "nnodes", "master", "node_rank", "mixed_precision",
@@ -112,23 +112,25 @@ def _interview(current: dict[str, Any], ask: Callable[[str], str]) -> dict[str, 
             if key in ("master", "node_rank") and str(values["nnodes"]) == "1":
                 continue  # one machine: nothing to meet at
             default = current.get(key, _DEFAULTS.get(key))
-            values[key] = _ask_one(key, default, ask)
+            values[key] = _ask_one(key, default, ask, values)
     except (EOFError, KeyboardInterrupt):
         print()
         return None
     return values
 
 
-def _ask_one(key: str, default: Any, ask: Callable[[str], str]) -> Any:
+def _ask_one(key: str, default: Any, ask: Callable[[str], str], before: dict[str, Any]) -> Any:
+    """Ask until the answer (or the default, on Enter) is valid with the answers ``before``."""
     shown = f" [{default}]" if default is not None else ""
     while True:
         answer = ask(f"{_QUESTIONS[key]}{shown}: ").strip()
-        if not answer and default is not None:
-            return default
-        if not answer:
+        if not answer and default is None:
             print(f"  please answer: {_config.KEYS[key]}")
             continue
         try:
-            return _config.check(key, answer, "answer")
+            value = _config.check(key, answer or default, "answer" if answer else "default")
+            if key == "node_rank":
+                _check_nodes({**before, key: value})
+            return value
         except ConfigurationError as exc:
             print(f"  {exc}")

@@ -118,6 +118,9 @@ def _count(nprocs: int | str) -> int:
         raise ConfigurationError(
             f"launch(nprocs={nprocs!r}): give a number of processes (1 or more) or 'auto'."
         )
+    from ._launch_args import check_process_count
+
+    check_process_count(nprocs, f"launch(nprocs={nprocs})", os.environ)
     return nprocs
 
 

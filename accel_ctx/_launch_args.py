@@ -6,6 +6,7 @@ every rule here is tested without processes. :mod:`accel_ctx.cli` runs the resul
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _config, _env
+from . import _config, _env, _netif
 from .errors import ConfigurationError
 
 # Our flags -> setting. The '_' spellings follow torchrun's habit; both work.
@@ -27,6 +28,8 @@ OURS = {
     "--config": "config",
 }
 _TORCHRUN_NPROC = ("--nproc-per-node", "--nproc_per_node")
+_TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+MAX_NPROC_VAR = "ACCEL_CTX_MAX_NPROC"
 # torchrun flags that choose the rendezvous themselves: given any, we add no rendezvous flag.
 _OWN_RENDEZVOUS = (
     "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--standalone",
@@ -49,6 +52,8 @@ class LaunchPlan:
     """The resolved settings (nproc as a number)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each setting came from: 'flag', a config file, 'SLURM' or 'default'."""
+    network: _netif.NodeNetwork = field(default_factory=_netif.NodeNetwork)
+    """Several nodes: the address this node advertises, its interface, what to say on failure."""
 
 
 @dataclass
@@ -134,8 +139,13 @@ def plan(
     environ: Mapping[str, str],
     cwd: Path | None = None,
     gpus: Callable[[], int] = local_gpus,
+    route: Callable[[str, int], _netif.Route | None] | None = None,
 ) -> LaunchPlan:
-    """Translate ``accel-ctx launch`` arguments into torchrun arguments and environment."""
+    """Translate ``accel-ctx launch`` arguments into torchrun arguments and environment.
+
+    ``route`` (the launcher passes :func:`accel_ctx._netif.route_to`) finds how this machine
+    reaches ``--master``; without it nothing is looked up and no interface is chosen.
+    """
     parsed = parse(argv, arity)
     if not parsed.script:
         raise ConfigurationError(
@@ -149,23 +159,69 @@ def plan(
         raise ConfigurationError(
             "-n/--nproc and torchrun's --nproc-per-node say the same thing; keep one of them."
         )
-    if not parsed.given(*_TORCHRUN_NPROC):
+    if parsed.given(*_TORCHRUN_NPROC):
+        _check_torchrun_nproc(parsed.value(*_TORCHRUN_NPROC) or "", environ)
+    else:
         nproc = settings.get("nproc", "auto")
         if nproc == "auto":
             nproc = gpus() or 1
+        where = sources.get("nproc", "flag")
+        check_process_count(nproc, f"-n {nproc}" if where == "flag" else
+                            f"nproc = {nproc} (in {where})", environ)
         settings["nproc"] = nproc
         args += ["--nproc-per-node", str(nproc)]
     nnodes = settings.get("nnodes", 1)
     args += ["--nnodes", str(nnodes)]
     max_nodes = int(str(nnodes).rsplit(":", 1)[-1])
-    args += _rendezvous(parsed, settings, sources, max_nodes, env, environ)
+    meet, network = _rendezvous(parsed, settings, sources, max_nodes, env, environ, route)
+    args += meet
     if "max_restarts" in settings:
         args += ["--max-restarts", str(settings["max_restarts"])]
     if "mixed_precision" in settings:
         env[_env.MIXED_PRECISION_VAR] = settings["mixed_precision"]
     for _, tokens in parsed.passthrough:
         args += tokens
-    return LaunchPlan([*args, *parsed.script], env, settings, sources)
+    return LaunchPlan([*args, *parsed.script], env, settings, sources, network)
+
+
+def process_limit(environ: Mapping[str, str]) -> int:
+    """The most processes one machine may start: ``ACCEL_CTX_MAX_NPROC``, else
+    max(64, 4 x CPU cores). A sane job runs one per GPU or a few per core; far more than
+    this only thrashes the machine or waits for minutes on a rendezvous that cannot form."""
+    raw = environ.get(MAX_NPROC_VAR, "").strip()
+    if raw:
+        if not raw.isdigit() or int(raw) < 1:
+            raise ConfigurationError(
+                f"{MAX_NPROC_VAR}={raw!r}: give the most processes per machine, a number "
+                "(1 or more), or unset it."
+            )
+        return int(raw)
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
+def check_process_count(count: int, what: str, environ: Mapping[str, str]) -> None:
+    """Refuse a number of local processes no machine runs (``-n 1000000``), before starting any."""
+    limit = process_limit(environ)
+    if count > limit:
+        why = (f"the limit set by {MAX_NPROC_VAR}" if environ.get(MAX_NPROC_VAR, "").strip()
+               else f"max(64, 4 x {os.cpu_count() or 1} CPU cores)")
+        raise ConfigurationError(
+            f"{what} asks for {count} processes on this machine, more than it can run "
+            f"(at most {limit}: {why}). Give fewer: usually one per GPU, or a few per CPU "
+            f"core; with several machines, -n counts per machine and --nnodes counts machines. "
+            f"If you really mean {count}, set {MAX_NPROC_VAR}={count}."
+        )
+
+
+def _check_torchrun_nproc(value: str, environ: Mapping[str, str]) -> None:
+    if value in _TORCHRUN_NPROC_WORDS:
+        return  # torchrun counts the devices or cores itself
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ConfigurationError(
+            f"--nproc-per-node {value!r} is not valid: give a number of processes per node "
+            f"(1 or more) or one of {', '.join(_TORCHRUN_NPROC_WORDS)}."
+        )
+    check_process_count(int(value), f"--nproc-per-node {value}", environ)
 
 
 def _resolve(
@@ -191,7 +247,8 @@ def _rendezvous(
     max_nodes: int,
     env: dict[str, str],
     environ: Mapping[str, str],
-) -> list[str]:
+    route: Callable[[str, int], _netif.Route | None] | None,
+) -> tuple[list[str], _netif.NodeNetwork]:
     node_rank = settings.get("node_rank")
     if node_rank is not None and node_rank >= max_nodes:
         raise ConfigurationError(
@@ -204,12 +261,14 @@ def _rendezvous(
                 "--master and torchrun's rendezvous flags (--rdzv-endpoint, --master-addr, "
                 "--standalone, ...) both choose where the nodes meet; keep one of them."
             )
-        return [] if node_rank is None else ["--node-rank", str(node_rank)]  # static's meaning
+        static = [] if node_rank is None else ["--node-rank", str(node_rank)]  # static's meaning
+        return static, _netif.NodeNetwork()
     args: list[str] = []
+    network = _netif.NodeNetwork()
     conf = parsed.value(*_RDZV_CONF) or ""
     master = settings.get("master")
     if master is not None:
-        host, _ = _config.split_host_port(master) or ("", 0)
+        host, port = _config.split_host_port(master) or ("", 0)
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", master]
         if not parsed.given(*_RDZV_ID):
             job = environ.get("SLURM_JOB_ID")
@@ -219,7 +278,13 @@ def _rendezvous(
             # Node 0 hosts the rendezvous store. Saying so beats torchrun's guess from the
             # host name, which fails when --master is an IP address or an alias.
             conf = ",".join(filter(None, (conf, f"is_host={'true' if node_rank == 0 else 'false'}")))
-        loopback = _is_loopback(host)
+        # Advertise an address the other nodes reach (torchrun's default is this machine's
+        # host name, often loopback in containers), and give gloo / NCCL the interface that
+        # leads to the master (they too pick one from the host name).
+        found = route(host, port) if route is not None else None
+        network = _netif.node_network(host, port, node_rank, found, environ,
+                                      looked_up=route is not None)
+        env.update(network.env)
     elif max_nodes > 1:
         raise ConfigurationError(
             f"{max_nodes} nodes need a meeting point: add --master HOST:PORT with the address "
@@ -232,21 +297,17 @@ def _rendezvous(
         # still listens on every interface; every address advertised and dialled is loopback.)
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                  "--rdzv-id", uuid.uuid4().hex]
-        loopback = True
+        network.local_addr = "127.0.0.1"
         ifname = loopback_interface()
         if ifname and "GLOO_SOCKET_IFNAME" not in environ:
             env["GLOO_SOCKET_IFNAME"] = ifname  # gloo's connections on loopback too
-    if loopback and not parsed.given(*_LOCAL_ADDR):
-        args += ["--local-addr", "127.0.0.1"]  # workers reach the store at 127.0.0.1
+    if network.local_addr and not parsed.given(*_LOCAL_ADDR):
+        args += ["--local-addr", network.local_addr]  # where workers reach the store
     if parsed.given(*_RDZV_CONF) or conf:
         # the merged value replaces the user's own --rdzv-conf in the pass-through flags
         parsed.passthrough = [p for p in parsed.passthrough if p[0] not in _RDZV_CONF]
         args += ["--rdzv-conf", conf]
-    return args
-
-
-def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return args, network
 
 
 def loopback_interface() -> str | None:

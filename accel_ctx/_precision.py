@@ -54,6 +54,30 @@ def _policy_name(policy: str | None) -> str:
     return name
 
 
+_CONFLICTS_REPORTED: set[tuple[str, str]] = set()
+
+
+def _report_launcher_conflict(policy: str) -> None:
+    """An explicit policy beats the launcher's ``--mixed-precision``; rank 0 says so once."""
+    launcher = os.environ.get(_env.MIXED_PRECISION_VAR, "").strip()
+    theirs = _ALIASES.get(launcher.lower(), launcher.lower())
+    mine = _policy_name(policy)
+    if theirs not in _DTYPES or mine == theirs or (mine, theirs) in _CONFLICTS_REPORTED:
+        return  # no launcher setting, a bad one (distributed() reports it), or agreement
+    _CONFLICTS_REPORTED.add((mine, theirs))
+    stack = _state.current()
+    rank = stack.dist.rank if stack is not None and stack.dist is not None else (
+        int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0)
+    if rank == 0:
+        warnings.warn(
+            f"mixed_precision({policy!r}) in the script overrides the launcher's "
+            f"--mixed-precision {launcher} ({_env.MIXED_PRECISION_VAR}): this scope runs in "
+            f"{'fp32' if mine == 'no' else mine}. An explicit policy wins; to follow the "
+            "launcher, call mixed_precision() without a policy, or drop --mixed-precision.",
+            stacklevel=3,
+        )
+
+
 @dataclass(frozen=True)
 class PrecisionPolicy:
     """What a ``mixed_precision()`` scope asks for."""
@@ -233,6 +257,7 @@ class mixed_precision(Scope):
         self._requested = policy
         if policy is not None:
             _policy_name(policy)  # fail at the call site, not at entry
+            _report_launcher_conflict(policy)
         self._options = (output_dtype, float(init_scale), int(growth_interval))
 
     def _open(self, exits: ExitStack) -> PrecisionRuntime:

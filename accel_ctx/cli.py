@@ -13,9 +13,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import _config
@@ -41,15 +44,20 @@ script finds the job from the variables torchrun sets.
 
   -n, --nproc N        processes PER NODE (torchrun's --nproc-per-node): with --nnodes 2,
                        -n 4 starts 8 processes in all. 'auto' (the default): one per local
-                       GPU, else 1.
+                       GPU, else 1. At most max(64, 4 x CPU cores) unless
+                       ACCEL_CTX_MAX_NPROC says otherwise.
   --nnodes N           machines in the job (MIN:MAX for an elastic job). Run the same command
                        on each machine, with its own --node-rank.
   --node-rank R        this machine's index; node 0 hosts the rendezvous and must be the
                        --master host. Ranks are then numbered by torch's c10d rendezvous.
   --master HOST:PORT   where the machines meet (c10d rendezvous on node 0). Without it a
-                       single machine meets on 127.0.0.1, on a free port.
+                       single machine meets on 127.0.0.1, on a free port. Node 0 advertises
+                       this address to the others; each other node advertises its address on
+                       the path to it, and the workers' gloo / NCCL use that path's interface
+                       (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless set).
   --mixed-precision P  default policy of mixed_precision() / distributed() in the script
-                       (sets ACCEL_CTX_MIXED_PRECISION): no, bf16 or fp16.
+                       (sets ACCEL_CTX_MIXED_PRECISION): no, bf16 or fp16. A policy the
+                       script names itself wins; rank 0 then warns once, naming both.
   --max-restarts K     restart all workers up to K times after one fails; with 0 (the
                        default) a failed rank ends the job and is named.
   --config FILE        read defaults from FILE only.
@@ -57,6 +65,9 @@ script finds the job from the variables torchrun sets.
 Any other option before the script is torchrun's and passes through unchanged (--rdzv-conf,
 --log-dir, --redirects, --monitor-interval, ...; see `torchrun --help`). torchrun's own
 rendezvous flags (--rdzv-endpoint, --standalone, --master-addr, ...) replace --master.
+
+The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
+killed by signal N); Ctrl-C stops every worker and exits with 130.
 
 Defaults, highest priority first: these flags; with --config FILE that file alone; else
 ./accel-ctx.toml (searched upwards to the project root), then ~/.config/accel-ctx/config.toml
@@ -79,43 +90,112 @@ def torchrun_arity() -> dict[str, bool]:
 def launch_main(argv: Sequence[str]) -> int:
     """Run ``accel-ctx launch``."""
     from . import _launch_args
+    from ._netif import route_to
 
     try:
         arity = torchrun_arity()
         if _launch_args.parse(argv, arity).help or not argv:
             print(LAUNCH_HELP, end="")
             return 0
-        plan = _launch_args.plan(argv, arity, os.environ)
+        plan = _launch_args.plan(argv, arity, os.environ, route=route_to)
     except AccelCtxError as exc:
         return _config.fail("launch", exc)
+    if plan.network.warning:
+        print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
     os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
-    return run_torchrun(plan.torchrun_args, plan.settings)
+    return run_torchrun(plan.torchrun_args, plan.settings, plan.network.note)
 
 
-def run_torchrun(args: list[str], settings: dict[str, Any]) -> int:
-    """Hand over to torchrun; turn its failures into one clear message and an exit code."""
+def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = "") -> int:
+    """Hand over to torchrun; turn its failures into one clear message and an exit code.
+
+    The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
+    killed by signal N); a launcher stopped by a signal (Ctrl-C) exits with 128 + N after one
+    line, as a shell does. ``network_note`` (several nodes: the addresses this node tried)
+    follows a failure.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun_main
 
     try:
-        torchrun_main(args)
+        with _quiet_signal_shutdown():
+            torchrun_main(args)
+    except SignalException as exc:
+        return interrupted(int(exc.sigval))
+    except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler was installed
+        return interrupted(signal.SIGINT)
     except ChildFailedError as exc:
         print(describe_failure(exc, settings.get("max_restarts", 0)), file=sys.stderr)
-        return 1
+        if network_note:
+            print(f"accel-ctx launch: if the failure is ranks not reaching each other:"
+                  f"{network_note}", file=sys.stderr)
+        return failure_exit_code(exc)
     except RendezvousError as exc:
         where = args[args.index("--rdzv-endpoint") + 1] if "--rdzv-endpoint" in args else "?"
         detail = f": {exc}" if str(exc) else ""
+        if type(exc).__name__ == "RendezvousConnectionError":
+            print(f"accel-ctx launch: cannot connect to the rendezvous at {where} "
+                  f"({exc}). Start node 0 (the --master host) first, with the same --master; "
+                  f"check that this machine reaches that address and port.{network_note}",
+                  file=sys.stderr)
+            return 1
         print(
             f"accel-ctx launch: the rendezvous at {where} did not complete with "
             f"{settings.get('nnodes', 1)} node(s) ({type(exc).__name__}{detail}). Start the "
             "same command on every node, with the same --master and --nnodes and its own "
             "--node-rank; how long the nodes wait for each other is `--rdzv-conf "
-            "join_timeout=SECONDS` (default 600).",
+            f"join_timeout=SECONDS` (default 600).{network_note}",
             file=sys.stderr,
         )
         return 1
     return 0
+
+
+def interrupted(signum: int) -> int:
+    """One line for a launcher stopped by a signal; the shell's exit code for it (130: Ctrl-C)."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    how = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {name}"
+    print(f"accel-ctx launch: {how}; every worker was stopped.", file=sys.stderr)
+    return 128 + signum
+
+
+def failure_exit_code(exc: Any) -> int:
+    """The exit code of the rank that failed first: its own, or 128 + N if signal N killed it."""
+    _, failure = exc.get_first_failure()
+    code = int(failure.exitcode)
+    if code < 0:
+        return 128 + min(-code, 127)
+    return code if 0 < code < 256 else 1
+
+
+class _DropSignalShutdown(logging.Filter):
+    """Drops torchrun's lines about a signal to the launcher (it says so in one line itself)."""
+
+    signalled = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        self.signalled = self.signalled or "death signal" in text
+        return not (self.signalled and ("death signal" in text or "closing signal" in text))
+
+
+@contextlib.contextmanager
+def _quiet_signal_shutdown() -> Iterator[None]:
+    loggers = [logging.getLogger(f"torch.distributed.elastic.{name}")
+               for name in ("agent.server.api", "multiprocessing.api")]
+    quiet = _DropSignalShutdown()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def describe_failure(exc: Any, max_restarts: int) -> str:
@@ -151,7 +231,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     command, rest = args[0], args[1:]
     if command == "launch":
-        return launch_main(rest)
+        try:
+            return launch_main(rest)
+        except KeyboardInterrupt:  # Ctrl-C while torch was still loading
+            return interrupted(signal.SIGINT)
     if command == "config":
         from ._config_cmd import config_main
 

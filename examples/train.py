@@ -2,6 +2,10 @@
 
     python examples/train.py                      # one process
     accel-ctx launch -n 2 examples/train.py       # two processes on this machine
+    accel-ctx launch -n 2 --mixed-precision bf16 examples/train.py   # the same, in bf16
+
+``--precision`` is left unset so that the launcher's ``--mixed-precision`` applies; given, it
+wins over the launcher's setting (which is then reported once, as a warning).
 
 The loop below has no device handling, no DistributedSampler and no DDP wrapper: the scopes
 route its plain calls to PyTorch's engines.
@@ -44,14 +48,17 @@ class Net(nn.Module):
 @on_main_process
 def report(epoch: int, loss: float, accuracy: float) -> None:
     s = state()
+    precision = "fp32" if s.mixed_precision == "no" else s.mixed_precision
     print(f"epoch {epoch}: loss {loss:.4f}  accuracy {accuracy:.3f}  "
-          f"({s.world_size} process{'es' if s.world_size > 1 else ''} on {s.device.type})")
+          f"({s.world_size} process{'es' if s.world_size > 1 else ''} on {s.device.type}) "
+          f"in {precision}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--precision", default="no", choices=["no", "bf16", "fp16"])
+    parser.add_argument("--precision", default=None, choices=["no", "bf16", "fp16"],
+                        help="default: the launcher's --mixed-precision, else no")
     args = parser.parse_args()
 
     torch.manual_seed(0)
