@@ -1,0 +1,310 @@
+"""The checked first exchange of gather, gather_for_metrics and pad_across_processes.
+
+Each rank *describes* its input before any data moves: its structure (containers, keys,
+lengths), for each tensor its dtype, its number of dimensions, every size but the free one (the
+dimension that may differ: gather's dim 0, pad's ``dim``) and the device it travels on, and
+where it holds plain Python data. A hash of that description rides in the fixed-size header that
+the call exchanges anyway (one all_gather of ``HEADER`` integers, which also carries the free
+sizes of the first ``_INLINE`` tensors), so a matching call costs no extra round trip. When the
+hashes differ, every rank sees it in the same header, so every rank takes the same error path:
+one more exchange of the readable descriptions, then a :class:`DistributedError` naming each
+rank's shapes, raised before any tensor moves (a mismatched all_gather would abort gloo with
+SIGABRT or hand one rank garbage).
+
+Plain Python data (lists of per-sample objects, numbers, strings) is gathered through the
+*skeleton*: the input with each tensor replaced by a :class:`Slot`, pickled once per call.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+from collections.abc import Callable, Mapping
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedError
+
+_MAGIC = 0x61636378  # "accx": a header that is not ours means a different call on that rank
+_FIXED = 4  # magic, hash, number of tensors, flags
+_INLINE = 60  # free sizes carried by the header itself; more cost one more small all_gather
+HEADER = _FIXED + _INLINE
+HAS_DATA = 1  # flag: the input holds plain Python data to exchange as objects
+PADDING = 2  # flag (gather_for_metrics): this rank's batch is padding
+
+
+class Slot:
+    """Stands for tensor number ``index`` of one rank's input (or for a Python number)."""
+
+    __slots__ = ("index", "kind")
+
+    def __init__(self, index: int, kind: str = "tensor") -> None:
+        self.index = index
+        self.kind = kind
+
+    def __getstate__(self) -> tuple[int, str]:
+        return self.index, self.kind
+
+    def __setstate__(self, state: tuple[int, str]) -> None:
+        self.index, self.kind = state
+
+
+class Described:
+    """One rank's input, described: what must agree across ranks, and what may differ."""
+
+    def __init__(self, free_dim: int | None, batches: bool, numbers: bool,
+                 travel: Callable[[torch.Tensor], str]) -> None:
+        self.free_dim = free_dim  # None: every dimension must agree (reduce)
+        self.batches = batches  # lists holding no tensor are batches of per-sample objects
+        self.numbers = numbers  # Python numbers become 0-dim tensors (reduce)
+        self.travel = travel  # the device type a tensor travels on
+        self.tensors: list[torch.Tensor] = []
+        self.kinds: list[str] = []  # "tensor", or the Python type a number came as
+        self.free: list[int] = []  # each tensor's size along the free dimension (-1: none)
+        self.signature: list[str] = []  # what must agree, entry by entry
+        self.summary: list[tuple[str, str]] = []  # (where, what): readable, with free sizes
+        self.data = False  # holds plain Python data (per-sample lists, values)
+        self.values: list[str] = []  # paths of bare values (not a tensor, list or None)
+        self.skeleton: Any = None
+
+    @property
+    def digest(self) -> int:
+        text = "\n".join(self.signature).encode()
+        return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True)
+
+    def _note(self, signature: str, path: str, what: str) -> None:
+        self.signature.append(signature)
+        self.summary.append((path or "the input", what))
+
+    def walk(self, obj: Any, path: str) -> Any:
+        """Record ``obj`` and return its skeleton (tensors replaced by slots)."""
+        if isinstance(obj, torch.Tensor):
+            return self._tensor(obj, path, "tensor")
+        if self.numbers and isinstance(obj, (bool, int, float)):
+            return self._tensor(torch.tensor(obj), path, type(obj).__name__)
+        if obj is None:
+            self._note(f"{path} None", path, "None")
+            return None
+        name = type(obj).__qualname__
+        if isinstance(obj, Mapping):
+            self._note(f"{path} {name} keys {[repr(k) for k in obj]}", path,
+                       f"a {name} with keys {list(obj)}")
+            return rebuild_mapping(obj, {k: self.walk(v, f"{path}[{k!r}]") for k, v in obj.items()})
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            self._note(f"{path} {name}", path, f"a {name}")
+            return type(obj)(*(self.walk(v, f"{path}.{f}") for f, v in zip(
+                obj._fields, obj, strict=True)))
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            self._note(f"{path} {name}", path, f"a {name}")
+            new = copy.copy(cast(Any, obj))
+            for f in dataclasses.fields(obj):
+                object.__setattr__(new, f.name, self.walk(getattr(obj, f.name), f"{path}.{f.name}"))
+            return new
+        if isinstance(obj, (list, tuple)):
+            if self.batches and not _holds_tensor(obj):
+                self.data = True
+                self._note(f"{path} batch {name}", path, f"a {name} of {len(obj)} objects")
+                return obj
+            self._note(f"{path} {name} of {len(obj)}", path, f"a {name} of {len(obj)}")
+            items = [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
+            return items if type(obj) is list else rebuild_sequence(obj, items)
+        self.data = True
+        self.values.append(path or "input")
+        self._note(f"{path} value", path, f"a {name} {_short(obj)}")
+        return obj
+
+    def _tensor(self, t: torch.Tensor, path: str, kind: str) -> Slot:
+        shape = list(t.shape)
+        free = self.free_dim
+        if free is None:
+            self.free.append(-1)
+        elif free == 0 and t.dim() == 0:  # gather: a 0-dim tensor is one row
+            self.free.append(1)
+        elif -t.dim() <= free < t.dim():
+            d = free % t.dim()
+            self.free.append(shape[d])
+            shape[d] = -1  # free: may differ between ranks
+        else:
+            self.free.append(-1)
+        dtype = str(t.dtype).removeprefix("torch.")
+        where = "" if t.device.type == "cpu" else f" on {t.device}"
+        what = f"a Python {kind}" if kind != "tensor" else f"{tuple(t.shape)} {dtype}{where}"
+        self._note(f"{path} {kind} {dtype} {shape} {self.travel(t)}", path, what)
+        self.tensors.append(t)
+        self.kinds.append(kind)
+        return Slot(len(self.tensors) - 1, kind)
+
+
+def describe(obj: Any, call: str, *, free_dim: int | None, batches: bool,
+             numbers: bool = False, travel: Callable[[torch.Tensor], str]) -> Described:
+    """Walk ``obj`` once: its tensors, their free sizes, its signature and its skeleton."""
+    described = Described(free_dim, batches, numbers, travel)
+    described.signature.append(call)  # a rank in another call differs here
+    described.summary.append(("the call", call))
+    described.skeleton = described.walk(obj, "")
+    return described
+
+
+def _short(obj: Any) -> str:
+    text = repr(obj)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def _holds_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_holds_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_tensor(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return False
+
+
+def rebuild_mapping(original: Mapping[Any, Any], values: dict[Any, Any]) -> Any:
+    if type(original) is dict:
+        return values
+    try:
+        new = copy.copy(original)
+        new.update(values)  # type: ignore[attr-defined]
+        return new
+    except (TypeError, AttributeError):  # read-only mapping: a plain dict
+        return values
+
+
+def rebuild_sequence(original: Any, items: list[Any]) -> Any:
+    try:
+        return type(original)(items)
+    except TypeError:
+        return items
+
+
+class Exchanged:
+    """What the header exchange told every rank: each rank's free sizes and flags."""
+
+    def __init__(self, free: list[list[int]], flags: list[int]) -> None:
+        self.free = free
+        self.flags = flags
+
+
+def exchange(runtime: Any, described: Described, call: str, flags: int,
+             exchange_ints: Callable[[Any, list[int]], list[list[int]]], advice: str) -> Exchanged:
+    """The one header all_gather; raises :class:`DistributedError` on every rank on a mismatch."""
+    n = len(described.tensors)
+    head = [_MAGIC, described.digest, n, flags | (HAS_DATA if described.data else 0)]
+    inline = described.free[:_INLINE]
+    rows = exchange_ints(runtime, head + inline + [0] * (_INLINE - len(inline)))
+    if any(row[:3] != rows[0][:3] for row in rows) or rows[0][0] != _MAGIC:
+        mismatch(runtime, described, call, advice)
+    free = [row[_FIXED:_FIXED + len(inline)] for row in rows]
+    if n > _INLINE:  # the same count on every rank: the hashes agree
+        rest = exchange_ints(runtime, described.free[_INLINE:])
+        free = [a + b for a, b in zip(free, rest, strict=True)]
+    return Exchanged(free, [row[3] for row in rows])
+
+
+def mismatch(runtime: Any, described: Described, call: str, advice: str) -> None:
+    """Every rank has seen the mismatch: trade readable descriptions, raise the same error."""
+    parts: list[Any] = [None] * runtime.world_size
+    dist.all_gather_object(parts, (call, described.signature, described.summary))
+    raise DistributedError(
+        f"rank {runtime.rank}: {call} stopped before moving any data, because the ranks' inputs "
+        f"do not fit together: {difference(parts)}. No rank got a result.\n{listing(parts)}\n"
+        f"{advice}"
+    )
+
+
+Summary = tuple[str, list[str], list[tuple[str, str]]]
+
+
+def difference(parts: list[Summary]) -> str:
+    """The first place where the ranks' descriptions differ, in words."""
+    if len({call for call, _, _ in parts}) > 1:
+        return "the ranks are in different calls (" + ", ".join(
+            f"rank {r}: {call}" for r, (call, _, _) in enumerate(parts)) + ")"
+    longest = max(len(sig) for _, sig, _ in parts)
+    for i in range(longest):
+        if len({sig[i] if i < len(sig) else None for _, sig, _ in parts}) > 1:
+            where = next(summary[i][0] for _, sig, summary in parts if i < len(sig))
+            said = [summary[i][1] if i < len(summary) else "nothing more"
+                    for _, _, summary in parts]
+            return f"at {where}, " + ", ".join(f"rank {r} has {s}" for r, s in enumerate(said))
+    return "the ranks pass different structures"
+
+
+def listing(parts: list[Summary], limit: int = 8) -> str:
+    """Each rank's call and input, one line per rank (long structures cut short)."""
+    lines = []
+    for r, (call, _, summary) in enumerate(parts):
+        entries = [f"{where}: {what}" for where, what in summary[1:]]  # [0]: the call
+        shown = entries[:limit] + ([f"... {len(entries) - limit} more"]
+                                   if len(entries) > limit else [])
+        lines.append(f"  rank {r}: {call} with " + ", ".join(shown))
+    return "\n".join(lines)
+
+
+def merge(skeletons: list[Any], gathered: list[torch.Tensor]) -> Any:
+    """Combine the ranks' skeletons (one structure, already checked to agree).
+
+    Slots become the gathered tensors, batches of objects are concatenated in rank order, and
+    a bare value becomes the list of every rank's value (as a 0-dim tensor becomes one row per
+    rank).
+    """
+    first = skeletons[0]
+    if isinstance(first, Slot):
+        return gathered[first.index]
+    if first is None:
+        return None
+    if isinstance(first, Mapping):
+        return rebuild_mapping(first, {k: merge([s[k] for s in skeletons], gathered) for k in first})
+    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
+        return type(first)(*(merge(list(c), gathered) for c in zip(*skeletons, strict=True)))
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        new = copy.copy(cast(Any, first))
+        for f in dataclasses.fields(first):
+            object.__setattr__(new, f.name, merge([getattr(s, f.name) for s in skeletons],
+                                                  gathered))
+        return new
+    if isinstance(first, (list, tuple)):
+        if _holds_slot(first):  # a structure: position by position
+            items = [merge(list(c), gathered) for c in zip(*skeletons, strict=True)]
+            return items if type(first) is list else rebuild_sequence(first, items)
+        return rebuild_sequence(first, [item for s in skeletons for item in s])  # a batch
+    return list(skeletons)  # a bare value: one per rank
+
+
+def _holds_slot(obj: Any) -> bool:
+    if isinstance(obj, Slot):
+        return True
+    if isinstance(obj, Mapping):
+        return any(_holds_slot(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_slot(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_slot(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return False
+
+
+def fill(skeleton: Any, values: list[Any]) -> Any:
+    """The skeleton with each slot replaced by ``values[slot.index]`` (one rank's structure)."""
+    if isinstance(skeleton, Slot):
+        return values[skeleton.index]
+    if skeleton is None or isinstance(skeleton, (str, bytes, int, float, complex)):
+        return skeleton
+    if isinstance(skeleton, Mapping):
+        return rebuild_mapping(skeleton, {k: fill(v, values) for k, v in skeleton.items()})
+    if isinstance(skeleton, tuple) and hasattr(skeleton, "_fields"):
+        return type(skeleton)(*(fill(v, values) for v in skeleton))
+    if dataclasses.is_dataclass(skeleton) and not isinstance(skeleton, type):
+        new = copy.copy(cast(Any, skeleton))
+        for f in dataclasses.fields(skeleton):
+            object.__setattr__(new, f.name, fill(getattr(skeleton, f.name), values))
+        return new
+    if isinstance(skeleton, (list, tuple)):
+        items = [fill(v, values) for v in skeleton]
+        return items if type(skeleton) is list else rebuild_sequence(skeleton, items)
+    return skeleton
