@@ -54,16 +54,8 @@ def comm_device(runtime: DistributedRuntime, device: torch.device) -> torch.devi
     return device
 
 
-def _meta_device(runtime: DistributedRuntime) -> torch.device:
+def meta_device(runtime: DistributedRuntime) -> torch.device:
     return comm_device(runtime, torch.device("cpu"))
-
-
-def exchange_ints(runtime: DistributedRuntime, values: list[int]) -> list[list[int]]:
-    """Every rank's ``values`` (same length on all ranks), in rank order: one small all_gather."""
-    mine = torch.tensor(values, dtype=torch.int64, device=_meta_device(runtime))
-    parts = [torch.empty_like(mine) for _ in range(runtime.world_size)]
-    dist.all_gather(parts, mine)
-    return [p.tolist() for p in parts]
 
 
 def _pad_to(t: torch.Tensor, size: int, dim: int, value: Any, first: bool) -> torch.Tensor:
@@ -125,14 +117,13 @@ def gather(tensors: T) -> T:
         return tensors
     d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(runtime))
     _debug.check(runtime, "gather()", d.tensors, free_dim=0)
-    sizes = exchange(runtime, d, "gather()", 0, exchange_ints, _ADVICE).free
-    gathered = [gather_tensor(runtime, t, [r[i] for r in sizes]) for i, t in enumerate(d.tensors)]
-    if not d.data:
+    heads = exchange(runtime, d, "gather()", 0, meta_device(runtime), _ADVICE)
+    gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free])
+                for i, t in enumerate(d.tensors)]
+    if heads.skeletons is None:
         done = iter(gathered)
         return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
-    skeletons: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(skeletons, d.skeleton)
-    return merge(skeletons, gathered)  # type: ignore[no-any-return]
+    return merge(heads.skeletons, gathered)  # type: ignore[no-any-return]
 
 
 def gather_object(obj: T) -> list[T]:
@@ -184,7 +175,7 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     d = describe(tensors, call, free_dim=None, batches=False, numbers=True,
                  travel=travel_type(runtime))
     _debug.check(runtime, call, d.tensors)
-    results = reduce_tensors(runtime, d, op, _meta_device(runtime), _ADVICE, call)
+    results = reduce_tensors(runtime, d, op, meta_device(runtime), _ADVICE, call)
     if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
             f"{call} found values it cannot combine at {', '.join(d.values)}; it reduces "
@@ -220,7 +211,7 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
     call = f"pad_across_processes(dim={dim})"
     d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(runtime))
     _debug.check(runtime, call, d.tensors, free_dim=dim)
-    lengths = exchange(runtime, d, call, 0, exchange_ints, _ADVICE).free
+    lengths = exchange(runtime, d, call, 0, meta_device(runtime), _ADVICE).free
     padded = iter([
         t if lengths[runtime.rank][i] < 0
         else _pad_to(t, max(r[i] for r in lengths), dim, pad_index, pad_first)

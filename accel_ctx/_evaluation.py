@@ -9,11 +9,10 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
-from ._collectives import _ADVICE, exchange_ints, gather_tensor, group_runtime, travel_type
+from ._collectives import _ADVICE, gather_tensor, group_runtime, meta_device, travel_type
 from ._exchange import PADDING, describe, exchange, merge, rebuild_mapping, rebuild_sequence
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
@@ -32,10 +31,17 @@ def gather_for_metrics(obj: T) -> T:
     ``distributed(even_batches=False)`` the ranks get different numbers of batches, so every
     rank would not make the call of the last round.
 
+    A loader the user sharded with their own ``DistributedSampler`` (accel_ctx leaves it as it
+    is) repeats a few samples to give every rank as many; with ``drop_last=False`` (its
+    default) the copy at the end of a rank's last batch is dropped here too, so the metric
+    again sees ``len(dataset)`` samples, each once (in the sampler's interleaved order).
+
     ``obj`` is a tensor, a list of per-sample objects (strings, ids, dicts), or a nested
     structure of those (tuples, dicts, namedtuples, dataclasses): tensors are concatenated
     along dim 0 (first dimensions may differ), lists of objects are concatenated, None stays
-    None. In a single process the input itself is returned.
+    None. Structures that do not fit together across the ranks raise
+    :class:`DistributedError` on every rank (see :func:`gather`). In a single process the
+    input itself is returned.
 
     Example:
         >>> import torch
@@ -61,7 +67,7 @@ def gather_for_metrics(obj: T) -> T:
     call = "gather_for_metrics()"
     d = describe(obj, call, free_dim=0, batches=True, travel=travel_type(runtime))
     _debug.check(runtime, call, d.tensors, free_dim=0)
-    heads = exchange(runtime, d, call, PADDING if padding else 0, exchange_ints, _ADVICE)
+    heads = exchange(runtime, d, call, PADDING if padding else 0, meta_device(runtime), _ADVICE)
     if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
             f"gather_for_metrics() found a bare value at {', '.join(d.values)}; it gathers "
@@ -72,13 +78,11 @@ def gather_for_metrics(obj: T) -> T:
     keep = [not flags & PADDING for flags in heads.flags]
     gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free], keep)
                 for i, t in enumerate(d.tensors)]
-    if not d.data:
+    if heads.skeletons is None:
         done = iter(gathered)
         return map_tensors(obj, lambda _: next(done))  # type: ignore[no-any-return]
-    skeletons: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(skeletons, d.skeleton)
-    return merge([s for s, k in zip(skeletons, keep, strict=True) if k],  # type: ignore[no-any-return]
-                 gathered)
+    kept = [s for s, k in zip(heads.skeletons, keep, strict=True) if k]
+    return merge(kept, gathered)  # type: ignore[no-any-return]
 
 
 def _sampler_padded(iteration: _state.LoaderIteration) -> bool:

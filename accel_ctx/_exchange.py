@@ -12,7 +12,8 @@ rank's shapes, raised before any tensor moves (a mismatched all_gather would abo
 SIGABRT or hand one rank garbage).
 
 Plain Python data (lists of per-sample objects, numbers, strings) is gathered through the
-*skeleton*: the input with each tensor replaced by a :class:`Slot`, pickled once per call.
+*skeleton*: the input with each tensor replaced by a :class:`Slot`, pickled once per call; its
+length rides in the header too, so the skeletons cost one more all_gather, not two.
 """
 
 from __future__ import annotations
@@ -20,17 +21,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError
+from .errors import ConfigurationError, DistributedError
 
 _MAGIC = 0x61636378  # "accx": a header that is not ours means a different call on that rank
-_FIXED = 4  # magic, hash, number of tensors, flags
-_INLINE = 60  # free sizes carried by the header itself; more cost one more small all_gather
+_FIXED = 5  # magic, hash, number of tensors, flags, bytes of pickled Python data
+_INLINE = 59  # free sizes carried by the header itself; more cost one more small all_gather
 HEADER = _FIXED + _INLINE
 HAS_DATA = 1  # flag: the input holds plain Python data to exchange as objects
 PADDING = 2  # flag (gather_for_metrics): this rank's batch is padding
@@ -184,27 +186,63 @@ def rebuild_sequence(original: Any, items: list[Any]) -> Any:
 
 
 class Exchanged:
-    """What the header exchange told every rank: each rank's free sizes and flags."""
+    """What the header exchange told every rank: free sizes, flags, skeletons with data."""
 
-    def __init__(self, free: list[list[int]], flags: list[int]) -> None:
+    def __init__(self, free: list[list[int]], flags: list[int],
+                 skeletons: list[Any] | None) -> None:
         self.free = free
         self.flags = flags
+        self.skeletons = skeletons  # every rank's skeleton, when the input holds Python data
+
+
+def gather_ints(values: list[int], device: torch.device, world: int) -> list[list[int]]:
+    """Every rank's ``values`` (same length on all ranks), in rank order: one all_gather."""
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    return [p.tolist() for p in parts]
 
 
 def exchange(runtime: Any, described: Described, call: str, flags: int,
-             exchange_ints: Callable[[Any, list[int]], list[list[int]]], advice: str) -> Exchanged:
-    """The one header all_gather; raises :class:`DistributedError` on every rank on a mismatch."""
-    n = len(described.tensors)
-    head = [_MAGIC, described.digest, n, flags | (HAS_DATA if described.data else 0)]
+             device: torch.device, advice: str) -> Exchanged:
+    """The one header all_gather; raises :class:`DistributedError` on every rank on a mismatch.
+
+    With Python data, the skeletons follow in one more all_gather of pickled bytes (their
+    lengths came in the header, which replaces all_gather_object's own exchange of sizes).
+    """
+    world, n = runtime.world_size, len(described.tensors)
+    payload, problem = b"", ""
+    if described.data:
+        try:
+            payload = pickle.dumps(described.skeleton)
+        except Exception as exc:  # every rank must still take part, then raise
+            problem = f"{type(exc).__name__}: {exc}"
+    head = [_MAGIC, described.digest, n, flags | (HAS_DATA if described.data else 0),
+            -1 if problem else len(payload)]
     inline = described.free[:_INLINE]
-    rows = exchange_ints(runtime, head + inline + [0] * (_INLINE - len(inline)))
+    rows = gather_ints(head + inline + [0] * (_INLINE - len(inline)), device, world)
     if any(row[:3] != rows[0][:3] for row in rows) or rows[0][0] != _MAGIC:
         mismatch(runtime, described, call, advice)
     free = [row[_FIXED:_FIXED + len(inline)] for row in rows]
     if n > _INLINE:  # the same count on every rank: the hashes agree
-        rest = exchange_ints(runtime, described.free[_INLINE:])
+        rest = gather_ints(described.free[_INLINE:], device, world)
         free = [a + b for a, b in zip(free, rest, strict=True)]
-    return Exchanged(free, [row[3] for row in rows])
+    if not described.data:
+        return Exchanged(free, [row[3] for row in rows], None)
+    failed = [r for r, row in enumerate(rows) if row[4] < 0]
+    if failed:
+        raise ConfigurationError(
+            f"{call}: rank(s) {failed} could not pickle their Python data"
+            + (f" ({problem})" if problem else "") + "; pass tensors, numbers, strings or "
+            "other picklable objects."
+        )
+    mine = torch.zeros(max(row[4] for row in rows), dtype=torch.uint8, device=device)
+    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(parts, mine)
+    skeletons = [pickle.loads(p[:row[4]].cpu().numpy().tobytes())
+                 for p, row in zip(parts, rows, strict=True)]
+    return Exchanged(free, [row[3] for row in rows], skeletons)
 
 
 def mismatch(runtime: Any, described: Described, call: str, advice: str) -> None:

@@ -100,6 +100,16 @@ def _values(world, res):
     return got
 
 
+def test_unpicklable_python_data_raises_on_every_rank(mismatched):
+    world, results = mismatched
+    for res in results:
+        for case, text in (("gather_unpicklable", f"gather(): rank(s) [{world - 1}] could not"),
+                           ("broadcast_unpicklable", f"rank {world - 1} could not pickle")):
+            assert res[case].get("error") == "ConfigurationError", (case, res[case])
+            assert text in res[case]["message"], res[case]["message"]
+            assert res[case + "/after"] == {"value": list(range(world))}, case
+
+
 def test_gather_gathers_python_data_like_tensors(matched):
     world, results = matched
     for rank, res in enumerate(results):

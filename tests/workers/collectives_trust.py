@@ -68,6 +68,8 @@ def mismatches() -> dict[str, Any]:
             torch.ones(300, 2) if last else torch.ones(2, 300)))
         check("broadcast_src", lambda: broadcast(torch.full((2,), float(rank)), src=rank))
         check("broadcast_object_src", lambda: broadcast_object({"r": rank}, src=rank))
+        check("gather_unpicklable", lambda: gather([lambda: 0] if last else [rank]))
+        check("broadcast_unpicklable", lambda: broadcast_object(lambda: 0, src=world - 1))
         check("metrics_keys", lambda: gather_for_metrics({"b" if last else "a": torch.ones(1)}))
         check("metrics_shape", lambda: gather_for_metrics(torch.ones(2, 2 if last else 3)))
     return out
