@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import pickle
 from collections.abc import Callable, Mapping
@@ -72,8 +73,9 @@ class Described:
         self.values: list[str] = []  # paths of bare values (not a tensor, list or None)
         self.skeleton: Any = None
 
-    @property
+    @functools.cached_property
     def digest(self) -> int:
+        """A 64-bit hash of the signature (read once the walk is done)."""
         text = "\n".join(self.signature).encode()
         return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "big", signed=True)
 
@@ -250,7 +252,7 @@ def mismatch(runtime: Any, described: Described, call: str, advice: str) -> None
     parts: list[Any] = [None] * runtime.world_size
     dist.all_gather_object(parts, (call, described.signature, described.summary))
     raise DistributedError(
-        f"rank {runtime.rank}: {call} stopped before moving any data, because the ranks' inputs "
+        f"rank {runtime.rank}: {call} stopped before moving any data, because the ranks' calls "
         f"do not fit together: {difference(parts)}. No rank got a result.\n{listing(parts)}\n"
         f"{advice}"
     )

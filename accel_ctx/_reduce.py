@@ -11,7 +11,10 @@ sum (after it, ``sum(s) == W*s`` and ``sum(s*s) == W*s*s`` hold on a rank only i
 sent the same ``s``) and as ``(s, -s)`` for max/min (both extremes equal ``s``). The reduced
 buffer is the same on every rank, so every rank sees a mismatch, then trades readable
 descriptions and raises. A matching call that fits costs one all_reduce, as before; a larger
-one sends its data in the usual per-dtype all_reduces after this small first one.
+one sends its data in the usual per-dtype all_reduces after this small first one. (Ranks in
+reductions with different native ops, "sum" on one and "max" on another, break that argument:
+the header then comes out as neither expects, which is caught as well on gloo, but only debug
+mode promises it; "mean" against "sum" differs in the signature and is always caught.)
 
 Sums are computed in float64 and rounded once to the tensor's dtype (never less exact than
 summing in that dtype). Integers that could leave float64's exact range (``W * |x| > 2**53``)

@@ -81,6 +81,20 @@ def test_mismatched_reduces_raise_on_every_rank_and_none_returns_or_aborts(misma
         _raised_everywhere(world, results, case, f"reduce(op={op!r})", shows)
 
 
+def test_ranks_in_different_calls_raise_on_every_rank(mismatched):
+    world, results = mismatched
+    last = world - 1
+    for case, calls in (("reduce_op", ["reduce(op='sum')", "reduce(op='max')"]),
+                        ("reduce_op_mean", ["reduce(op='mean')", "reduce(op='sum')"]),
+                        ("gather_vs_pad", ["gather()", "pad_across_processes(dim=0)"])):
+        shows = ["different calls", f"rank 0: {calls[0]}", f"rank {last}: {calls[1]}"]
+        for rank, res in enumerate(results):
+            assert res[case].get("error") == "DistributedError", (case, rank, res[case])
+            for text in shows:
+                assert text in res[case]["message"], (case, text, res[case]["message"])
+            assert res[case + "/after"] == {"value": list(range(world))}, (case, rank)
+
+
 def test_broadcasts_from_disagreeing_sources_raise_on_every_rank(mismatched):
     world, results = mismatched
     for call in ("broadcast", "broadcast_object"):

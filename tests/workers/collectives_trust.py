@@ -66,6 +66,10 @@ def mismatches() -> dict[str, Any]:
         check("reduce_keys", lambda: reduce({"b" if last else "a": torch.ones(1)}, "mean"))
         check("reduce_large_same_numel", lambda: reduce(
             torch.ones(300, 2) if last else torch.ones(2, 300)))
+        check("reduce_op", lambda: reduce(torch.ones(3), "max" if last else "sum"))
+        check("reduce_op_mean", lambda: reduce(torch.ones(3), "sum" if last else "mean"))
+        check("gather_vs_pad", lambda: pad_across_processes(torch.ones(2)) if last
+              else gather(torch.ones(2)))
         check("broadcast_src", lambda: broadcast(torch.full((2,), float(rank)), src=rank))
         check("broadcast_object_src", lambda: broadcast_object({"r": rank}, src=rank))
         check("gather_unpicklable", lambda: gather([lambda: 0] if last else [rank]))
