@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _state
-from ._exchange import describe, exchange, fill, merge
+from ._exchange import describe, exchange
 from ._reduce import reduce_tensors
+from ._skeleton import fill, merge
 from ._tree import map_tensors
 from .errors import ConfigurationError
 

@@ -13,7 +13,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
 from ._collectives import _ADVICE, gather_tensor, group_runtime, meta_device, travel_type
-from ._exchange import PADDING, describe, exchange, merge, rebuild_mapping, rebuild_sequence
+from ._exchange import PADDING, describe, exchange
+from ._skeleton import merge, rebuild_mapping, rebuild_sequence
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
 
