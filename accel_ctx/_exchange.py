@@ -73,7 +73,13 @@ class Described:
         if isinstance(obj, torch.Tensor):
             return self._tensor(obj, path, "tensor")
         if self.numbers and isinstance(obj, (bool, int, float)):
-            return self._tensor(torch.tensor(obj), path, type(obj).__name__)
+            try:  # floats keep Python's precision; ints beyond int64 fall through to values
+                as_tensor = torch.tensor(obj, dtype=torch.float64 if isinstance(obj, float)
+                                         else None)
+            except (RuntimeError, OverflowError):
+                pass
+            else:
+                return self._tensor(as_tensor, path, type(obj).__name__)
         if obj is None:
             self._note(f"{path} None", path, "None")
             return None
@@ -101,7 +107,7 @@ class Described:
             items = [self.walk(v, f"{path}[{i}]") for i, v in enumerate(obj)]
             return items if type(obj) is list else rebuild_sequence(obj, items)
         self.data = True
-        self.values.append(path or "input")
+        self.values.append(path or "the input")
         self._note(f"{path} value", path, f"a {name} {_short(obj)}")
         return obj
 

@@ -157,6 +157,10 @@ def test_reduce_combines_numbers_mixed_dtypes_and_huge_integers_exactly(matched)
                            "ok": True, "loss": sum(0.25 * r for r in ranks)}
         assert type(numbers["correct"]) is int and type(numbers["ok"]) is bool
         assert m["reduce_numbers_mean"] == [sum(ranks) / world, 2.0]
+        precise = m["reduce_float_precision"]["x"]  # summed in float64, not float32
+        assert type(precise) is float and abs(precise - sum(0.1 * (r + 1) for r in ranks)) < 1e-12
+        assert m["reduce_string"]["error"] == "ConfigurationError"
+        assert "cannot combine at ['tag']" in m["reduce_string"]["message"]
         expected = torch.arange(1000, dtype=torch.float32) * sum(r + 1 for r in ranks)
         assert torch.equal(m["reduce_large"], expected)  # beyond the inline slots
         huge = 2**62 // world

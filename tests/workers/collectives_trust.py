@@ -97,6 +97,8 @@ def matching() -> dict[str, Any]:
             "reduce_numbers": lambda: reduce({"correct": rank + 5, "total": 10,
                                               "ok": rank == 0, "loss": 0.25 * rank}),
             "reduce_numbers_mean": lambda: reduce([rank, 2.0], "mean"),
+            "reduce_float_precision": lambda: reduce({"x": 0.1 * (rank + 1)}),
+            "reduce_string": lambda: reduce({"x": torch.ones(1), "tag": "train"}),
             "reduce_large": lambda: reduce(torch.arange(1000, dtype=torch.float32) * (rank + 1)),
             "reduce_int64_huge": lambda: reduce(torch.tensor([huge, 1])),
             "reduce_int64_huge_max": lambda: reduce(torch.tensor([2**60 + rank]), "max"),
