@@ -144,7 +144,10 @@ def describe(obj: Any, call: str, *, free_dim: int | None, batches: bool,
 
 
 def _short(obj: Any) -> str:
-    text = repr(obj)
+    try:
+        text = repr(obj)
+    except Exception:  # a broken __repr__ must not stop one rank before the exchange
+        return "(unprintable)"
     return text if len(text) <= 30 else text[:27] + "..."
 
 
