@@ -42,14 +42,15 @@ REDUCE_CASES = {
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def mismatched(request, tmp_path_factory):
     world = request.param
-    return world, spawn(collectives_trust.mismatches, world, tmp_path_factory.mktemp("mis"))
+    return world, spawn(collectives_trust.mismatches, world, tmp_path_factory.mktemp("mis"),
+                        timeout=300)  # generous: a loaded CI machine, never a hang
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def matched(request, tmp_path_factory):
     world = request.param
     return world, spawn(collectives_trust.matching_and_sampler, world,
-                        tmp_path_factory.mktemp("match"), N)
+                        tmp_path_factory.mktemp("match"), N, timeout=300)
 
 
 def _raised_everywhere(world, results, case, call, shows):
