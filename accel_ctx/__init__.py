@@ -15,17 +15,11 @@ Example:
 
 from . import errors
 from ._accumulate import accumulate, no_sync
+from ._broadcast import broadcast, broadcast_object
 from ._checkpoint import Resumed, load_state, save_state
 from ._checkpoint_model import save_model
 from ._clip import clip_grad_norm_, clip_grad_value_
-from ._collectives import (
-    broadcast,
-    broadcast_object,
-    gather,
-    gather_object,
-    pad_across_processes,
-    reduce,
-)
+from ._collectives import gather, gather_object, pad_across_processes, reduce
 from ._distributed import DistributedOptions, distributed
 from ._evaluation import gather_for_metrics, split_between_processes
 from ._launch import launch

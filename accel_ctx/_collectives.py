@@ -21,7 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _state
-from ._tree import iter_tensors, map_tensors
+from ._exchange import describe, exchange
+from ._reduce import reduce_tensors
+from ._skeleton import fill, merge
+from ._tree import map_tensors
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -29,8 +32,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min"]
-_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-        "min": dist.ReduceOp.MIN}
+_OPS = ("sum", "mean", "max", "min")
+_ADVICE = (
+    "Make every rank pass the same structure (same keys, same number of tensors) with tensors "
+    "of one dtype and matching shapes: gather, gather_for_metrics: all dimensions but dim 0; "
+    "pad_across_processes: all but `dim`; reduce: all. Use pad_across_processes() for uneven "
+    "lengths, or a cast before the call."
+)
 
 
 def group_runtime() -> DistributedRuntime | None:
@@ -47,31 +55,8 @@ def comm_device(runtime: DistributedRuntime, device: torch.device) -> torch.devi
     return device
 
 
-def _meta_device(runtime: DistributedRuntime) -> torch.device:
+def meta_device(runtime: DistributedRuntime) -> torch.device:
     return comm_device(runtime, torch.device("cpu"))
-
-
-def _leaves(obj: Any, call: str) -> list[torch.Tensor]:
-    def refuse(other: Any) -> Any:
-        raise ConfigurationError(
-            f"{call} found a {type(other).__name__} in its input; it moves tensors (in tuples, "
-            "lists, dicts, namedtuples, dataclasses). Use gather_object()/broadcast_object() for "
-            "other objects, or convert them with torch.as_tensor() first."
-        )
-
-    map_tensors(obj, lambda t: t, refuse)
-    leaves = list(iter_tensors(obj))
-    if not leaves and obj is not None and not isinstance(obj, (tuple, list, dict)):
-        refuse(obj)
-    return leaves
-
-
-def exchange_ints(runtime: DistributedRuntime, values: list[int]) -> list[list[int]]:
-    """Every rank's ``values`` (same length on all ranks), in rank order: one small all_gather."""
-    mine = torch.tensor(values, dtype=torch.int64, device=_meta_device(runtime))
-    parts = [torch.empty_like(mine) for _ in range(runtime.world_size)]
-    dist.all_gather(parts, mine)
-    return [p.tolist() for p in parts]
 
 
 def _pad_to(t: torch.Tensor, size: int, dim: int, value: Any, first: bool) -> torch.Tensor:
@@ -98,13 +83,28 @@ def gather_tensor(
     return (torch.cat(kept) if kept else x[:0]).to(t.device)
 
 
+def travel_type(runtime: DistributedRuntime) -> Callable[[torch.Tensor], str]:
+    """The device type each tensor travels on (part of what the ranks must agree on)."""
+    return lambda t: comm_device(runtime, t.device).type
+
+
 def gather(tensors: T) -> T:
     """Concatenate every rank's tensors along dim 0, in rank order; the same result on all ranks.
 
-    ``tensors`` is a tensor or a nested structure of them. First dimensions may differ between
-    ranks (they are padded for the transfer and trimmed after); the other dimensions and the
-    dtype must agree. A 0-dim tensor becomes one row per rank. Non-tensor leaves such as None are
-    left as they are on this rank. In a single process the input itself is returned.
+    ``tensors`` is a tensor or a nested structure of them (tuples, lists, dicts, namedtuples,
+    dataclasses). First dimensions may differ between ranks (they are padded for the transfer
+    and trimmed after); everything else must agree on every rank: the structure (keys, lengths),
+    each tensor's dtype, number of dimensions and other sizes. A 0-dim tensor becomes one row
+    per rank. Plain Python data is gathered too: a list or tuple holding no tensor (``[1, 2,
+    3]``, a batch of strings or per-sample dicts) is a batch of objects, concatenated in rank
+    order like a tensor's rows; any other value (a number, a string) becomes the list of every
+    rank's value, as a 0-dim tensor becomes one row per rank; None stays None. In a single
+    process the input itself is returned.
+
+    When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
+    naming each rank's shapes, before any data moves: the check rides in the exchange of first
+    dimensions that gather makes anyway (one small all_gather, then one per tensor; Python data
+    adds one object exchange).
 
     Example:
         >>> import torch
@@ -116,11 +116,15 @@ def gather(tensors: T) -> T:
     runtime = group_runtime()
     if runtime is None:
         return tensors
-    leaves = _leaves(tensors, "gather()")
-    _debug.check(runtime, "gather()", leaves, free_dim=0)
-    rows = exchange_ints(runtime, [t.shape[0] if t.dim() else 1 for t in leaves])
-    done = iter([gather_tensor(runtime, t, [r[i] for r in rows]) for i, t in enumerate(leaves)])
-    return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
+    d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(runtime))
+    _debug.check(runtime, "gather()", d.tensors, free_dim=0)
+    heads = exchange(runtime, d, "gather()", 0, meta_device(runtime), _ADVICE)
+    gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free])
+                for i, t in enumerate(d.tensors)]
+    if heads.skeletons is None:
+        done = iter(gathered)
+        return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
+    return merge(heads.skeletons, gathered)  # type: ignore[no-any-return]
 
 
 def gather_object(obj: T) -> list[T]:
@@ -146,10 +150,16 @@ def gather_object(obj: T) -> list[T]:
 def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     """Combine every rank's tensors element-wise: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
 
-    ``tensors`` is a tensor or a nested structure of them, of the same shapes and dtypes on
-    every rank; every rank gets the result as new tensors (the inputs are left untouched). The
-    mean of integer tensors is a floating-point tensor. In a single process the input itself is
-    returned.
+    ``tensors`` is a tensor, a Python number, or a nested structure of them, of the same
+    structure, shapes and dtypes on every rank; every rank gets the result as new tensors (the
+    inputs are left untouched; Python numbers come back as numbers of their type, a mean as a
+    float). The mean of integer tensors is a floating-point tensor. In a single process the
+    input itself is returned.
+
+    When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
+    naming each rank's shapes and none gets a value: the check travels inside the reduction
+    itself (see ``_reduce``), so a matching call of up to a few hundred values still costs one
+    all_reduce. Small reductions are summed in float64 and rounded once to each tensor's dtype.
 
     Example:
         >>> import torch
@@ -162,122 +172,20 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     runtime = group_runtime()
     if runtime is None:
         return tensors
-    leaves = _leaves(tensors, f"reduce(op={op!r})")
-    _debug.check(runtime, f"reduce(op={op!r})", leaves)
-    results: dict[int, torch.Tensor] = {}
-    # One all_reduce per dtype and device: many small metrics cost one round trip.
-    for group in _groups(leaves, lambda t: (t.dtype, t.device)).values():
-        device = comm_device(runtime, leaves[group[0]].device)
-        flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
-        dist.all_reduce(flat, _OPS[op])
-        if op == "mean":
-            flat = flat / runtime.world_size
-        sizes = [leaves[i].numel() for i in group]
-        for i, part in zip(group, torch.split(flat, sizes), strict=True):
-            results[i] = part.view(leaves[i].shape).to(leaves[i].device)
-    done = iter([results[i] for i in range(len(leaves))])
-    return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
-
-
-def _groups(items: list[Any], key: Callable[[Any], Any]) -> dict[Any, list[int]]:
-    groups: dict[Any, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(key(item), []).append(i)
-    return groups
-
-
-class _Slot:
-    """Stands for one tensor of the broadcast structure: its shape, dtype, and CPU or not."""
-
-    __slots__ = ("accelerated", "dtype", "shape")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.shape = tuple(t.shape)
-        self.dtype = t.dtype
-        self.accelerated = t.device.type != "cpu"
-
-
-def broadcast(tensors: T, src: int = 0) -> T:
-    """Every rank gets rank ``src``'s tensors (a tensor or a nested structure of them).
-
-    Only ``src``'s input matters: shapes (first dimensions included), dtypes and the structure
-    come from it, so the other ranks may pass anything, e.g. None. Tensors that ``src`` keeps on
-    the CPU arrive on the CPU, the others on this rank's device. ``src`` gets its input back. In
-    a single process the input itself is returned.
-
-    Example:
-        >>> import torch
-        >>> from accel_ctx import broadcast
-        >>> broadcast({"seed": torch.tensor(42)}, src=0)
-        {'seed': tensor(42)}
-    """
-    runtime = group_runtime()
-    if runtime is None:
-        if src != 0:
-            raise ConfigurationError(f"broadcast(src={src}): a single process has only rank 0.")
-        return tensors
-    _check_src(runtime, "broadcast", src)
-    me = runtime.rank == src
-    _debug.check(runtime, f"broadcast(src={src})")
-    leaves = _leaves(tensors, "broadcast()") if me else []
-    skeleton = [map_tensors(tensors, _Slot) if me else None]
-    dist.broadcast_object_list(skeleton, src)
-    slots: list[_Slot] = []
-    map_tensors(skeleton[0], lambda t: t, lambda o: slots.append(o) if isinstance(o, _Slot) else o)
-    received: dict[int, torch.Tensor] = {}
-    for (dtype, accelerated), group in _groups(slots, lambda s: (s.dtype, s.accelerated)).items():
-        home = runtime.device if accelerated else torch.device("cpu")
-        device = comm_device(runtime, home)
-        sizes = [_numel(slots[i].shape) for i in group]
-        if me:
-            flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src)
-        for i, part in zip(group, torch.split(flat, sizes), strict=True):
-            received[i] = part.view(slots[i].shape).to(home)
-    if me:
-        return tensors
-    done = iter([received[i] for i in range(len(slots))])
-    return map_tensors(  # type: ignore[no-any-return]
-        skeleton[0], lambda t: t, lambda o: next(done) if isinstance(o, _Slot) else o
-    )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _check_src(runtime: DistributedRuntime, call: str, src: int) -> None:
-    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < runtime.world_size:
+    call = f"reduce(op={op!r})"
+    d = describe(tensors, call, free_dim=None, batches=False, numbers=True,
+                 travel=travel_type(runtime))
+    _debug.check(runtime, call, d.tensors)
+    results = reduce_tensors(runtime, d, op, meta_device(runtime), _ADVICE, call)
+    if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
-            f"{call}(src={src!r}): give a rank between 0 and {runtime.world_size - 1}."
+            f"{call} found values it cannot combine at {', '.join(d.values)}; it reduces "
+            "tensors and Python numbers (in tuples, lists, dicts, namedtuples, dataclasses). "
+            "Use gather_object() for other objects, or convert them with torch.as_tensor()."
         )
-
-
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """Every rank gets rank ``src``'s ``obj`` (any picklable object); ``src`` gets its own back.
-
-    Example:
-        >>> from accel_ctx import broadcast_object
-        >>> broadcast_object({"run_name": "baseline"})
-        {'run_name': 'baseline'}
-    """
-    runtime = group_runtime()
-    if runtime is None:
-        if src != 0:
-            raise ConfigurationError(
-                f"broadcast_object(src={src}): a single process has only rank 0."
-            )
-        return obj
-    _check_src(runtime, "broadcast_object", src)
-    _debug.check(runtime, f"broadcast_object(src={src})")
-    box: list[Any] = [obj if runtime.rank == src else None]
-    dist.broadcast_object_list(box, src)
-    return obj if runtime.rank == src else box[0]
+    values = [r if kind == "tensor" else r.item() for r, kind in zip(results, d.kinds,
+                                                                       strict=True)]
+    return fill(d.skeleton, values)  # type: ignore[no-any-return]
 
 
 def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
@@ -286,7 +194,11 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
 
     Fills with ``pad_index`` at the end (``pad_first=True``: at the start, e.g. left-padded
     token ids). Tensors already of the largest size, or without dimension ``dim``, are returned
-    as they are. In a single process the input itself is returned.
+    as they are; other leaves (None, numbers, strings) too. Everything but the size along
+    ``dim`` must agree across ranks (structure, dtypes, other sizes): otherwise every rank
+    raises :class:`DistributedError` naming each rank's shapes, found in the one small
+    all_gather of sizes the call makes anyway. In a single process the input itself is
+    returned.
 
     Example:
         >>> import torch
@@ -297,14 +209,13 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
     runtime = group_runtime()
     if runtime is None:
         return tensors
-    leaves = _leaves(tensors, "pad_across_processes()")
-    _debug.check(runtime, f"pad_across_processes(dim={dim})", leaves, free_dim=dim)
-    lengths = exchange_ints(
-        runtime, [t.shape[dim] if -t.dim() <= dim < t.dim() else -1 for t in leaves]
-    )
+    call = f"pad_across_processes(dim={dim})"
+    d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(runtime))
+    _debug.check(runtime, call, d.tensors, free_dim=dim)
+    lengths = exchange(runtime, d, call, 0, meta_device(runtime), _ADVICE).free
     padded = iter([
         t if lengths[runtime.rank][i] < 0
         else _pad_to(t, max(r[i] for r in lengths), dim, pad_index, pad_first)
-        for i, t in enumerate(leaves)
+        for i, t in enumerate(d.tensors)
     ])
     return map_tensors(tensors, lambda _: next(padded))  # type: ignore[no-any-return]

@@ -223,7 +223,9 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         shard = None
     length = _length(loader, stack, plan, iterable)
     device = runtime.device if runtime is not None else None
-    return ScopedIterator(it, stack.session, record, device, loader.pin_memory, length, shard)
+    scoped = ScopedIterator(it, stack.session, record, device, loader.pin_memory, length, shard)
+    scoped._iteration.loader = loader  # gather_for_metrics reads its sampler
+    return scoped
 
 
 def _stock_index_sampler(loader: DataLoader[Any]) -> Any:

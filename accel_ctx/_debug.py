@@ -5,6 +5,10 @@ With ``distributed(debug=True)`` or ``ACCEL_CTX_DEBUG=1`` each collective (and e
 rank leaves a description of its call: which collective, from which line, with tensors of which
 shapes and dtypes. Mismatches become one error, raised on every rank, that lists every rank's
 call, instead of a hang or a crash deep inside the backend. Without debug mode this costs nothing.
+
+Mismatched *inputs* to one collective are caught without debug mode too, inside the message
+each call sends anyway (``_exchange``, ``_reduce``, ``_broadcast``); debug mode adds what only a
+separate meeting can catch: ranks in different calls, and the user's line in each.
 """
 
 from __future__ import annotations

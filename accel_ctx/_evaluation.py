@@ -9,24 +9,16 @@ from collections.abc import Mapping
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.distributed as dist
+from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
-from ._collectives import gather_tensor, group_runtime
+from ._collectives import _ADVICE, gather_tensor, group_runtime, meta_device, travel_type
+from ._exchange import PADDING, describe, exchange
+from ._skeleton import merge, rebuild_mapping, rebuild_sequence
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
 
 T = TypeVar("T")
-
-
-class _Rows:
-    """Stands for the tensor number ``index`` of one rank's input, with its first dimension."""
-
-    __slots__ = ("index", "rows")
-
-    def __init__(self, index: int, rows: int) -> None:
-        self.index = index
-        self.rows = rows
 
 
 def gather_for_metrics(obj: T) -> T:
@@ -40,10 +32,17 @@ def gather_for_metrics(obj: T) -> T:
     ``distributed(even_batches=False)`` the ranks get different numbers of batches, so every
     rank would not make the call of the last round.
 
+    A loader the user sharded with their own ``DistributedSampler`` (accel_ctx leaves it as it
+    is) repeats a few samples to give every rank as many; with ``drop_last=False`` (its
+    default) the copy at the end of a rank's last batch is dropped here too, so the metric
+    again sees ``len(dataset)`` samples, each once (in the sampler's interleaved order).
+
     ``obj`` is a tensor, a list of per-sample objects (strings, ids, dicts), or a nested
     structure of those (tuples, dicts, namedtuples, dataclasses): tensors are concatenated
     along dim 0 (first dimensions may differ), lists of objects are concatenated, None stays
-    None. In a single process the input itself is returned.
+    None. Structures that do not fit together across the ranks raise
+    :class:`DistributedError` on every rank (see :func:`gather`). In a single process the
+    input itself is returned.
 
     Example:
         >>> import torch
@@ -64,77 +63,75 @@ def gather_for_metrics(obj: T) -> T:
         return obj
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
-    tensors = list(iter_tensors(obj))
-    _debug.check(runtime, "gather_for_metrics()", tensors, free_dim=0)
-    numbered = iter(range(len(tensors)))
-    skeleton = map_tensors(obj, lambda t: _Rows(next(numbered), t.shape[0] if t.dim() else 1))
-    # One object exchange carries each rank's padding flag, its lists of objects and its
-    # tensors' sizes; the tensors themselves then travel as tensors.
-    parts: list[Any] = [None] * runtime.world_size
-    dist.all_gather_object(parts, (padding, skeleton))
-    keep = [not flag for flag, _ in parts]
-    rows = [_rows_of(s) for _, s in parts]
-    gathered = [
-        gather_tensor(runtime, t, [r[i] for r in rows], keep) for i, t in enumerate(tensors)
-    ]
-    return _merge([s for flag, s in parts if not flag], gathered)  # type: ignore[no-any-return]
+    if iteration is not None and _sampler_padded(iteration):
+        obj = _drop_last_sample(obj)
+    call = "gather_for_metrics()"
+    d = describe(obj, call, free_dim=0, batches=True, travel=travel_type(runtime))
+    _debug.check(runtime, call, d.tensors, free_dim=0)
+    heads = exchange(runtime, d, call, PADDING if padding else 0, meta_device(runtime), _ADVICE)
+    if d.values:  # the same on every rank: the signatures matched
+        raise ConfigurationError(
+            f"gather_for_metrics() found a bare value at {', '.join(d.values)}; it gathers "
+            "tensors and lists of per-sample objects. Put per-sample values in a list or a "
+            "tensor (one entry per sample), or use gather() / gather_object() for one value "
+            "per rank."
+        )
+    keep = [not flags & PADDING for flags in heads.flags]
+    gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free], keep)
+                for i, t in enumerate(d.tensors)]
+    if heads.skeletons is None:
+        done = iter(gathered)
+        return map_tensors(obj, lambda _: next(done))  # type: ignore[no-any-return]
+    kept = [s for s, k in zip(heads.skeletons, keep, strict=True) if k]
+    return merge(kept, gathered)  # type: ignore[no-any-return]
 
 
-def _rows_of(skeleton: Any) -> list[int]:
-    found: dict[int, int] = {}
+def _sampler_padded(iteration: _state.LoaderIteration) -> bool:
+    """This is the batch holding the sample a user's DistributedSampler repeated as padding.
 
-    def note(o: Any) -> Any:
-        if isinstance(o, _Rows):
-            found[o.index] = o.rows
+    DistributedSampler (drop_last=False) pads its index list to a multiple of the number of
+    replicas with the first indices again; the copies land at the end, as the last sample of
+    the ranks ``r >= len(dataset) - (num_samples - 1) * num_replicas``.
+    """
+    loader = iteration.loader
+    if loader is None or not iteration.is_last:
+        return False
+    batch_sampler = loader.batch_sampler
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        sampler = getattr(batch_sampler, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+        return False
+    n = len(sampler.dataset)  # type: ignore[arg-type]
+    if (sampler.num_samples - 1) * sampler.num_replicas + sampler.rank < n:
+        return False  # this rank's last sample is a real one
+    # the loader may have dropped the incomplete last batch, padding sample included
+    size = getattr(batch_sampler, "batch_size", None)
+    dropped = getattr(batch_sampler, "drop_last", False)
+    return not (dropped and size and sampler.num_samples % size)
+
+
+def _drop_last_sample(obj: Any) -> Any:
+    """``obj`` without its last sample: the last row of each tensor, the last item of lists."""
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return o[:-1] if o.dim() else o  # a 0-dim value is per batch, not per sample
+        if isinstance(o, Mapping):
+            return rebuild_mapping(o, {k: walk(v) for k, v in o.items()})
+        if isinstance(o, tuple) and hasattr(o, "_fields"):
+            return type(o)(*(walk(v) for v in o))
+        if dataclasses.is_dataclass(o) and not isinstance(o, type):
+            new = copy.copy(cast(Any, o))
+            for f in dataclasses.fields(o):
+                object.__setattr__(new, f.name, walk(getattr(o, f.name)))
+            return new
+        if isinstance(o, (list, tuple)):
+            if next(iter_tensors(o), None) is not None:  # a structure
+                return rebuild_sequence(o, [walk(v) for v in o])
+            return o[:-1]  # a batch of per-sample objects
         return o
 
-    map_tensors(skeleton, lambda t: t, note)
-    return [found[i] for i in range(len(found))]
-
-
-def _holds_tensors(obj: Any) -> bool:
-    found: list[bool] = []
-    map_tensors(obj, lambda t: t, lambda o: found.append(True) if isinstance(o, _Rows) else o)
-    return bool(found)
-
-
-def _merge(parts: list[Any], gathered: list[torch.Tensor]) -> Any:
-    """Combine the kept ranks' skeletons: tensors from ``gathered``, lists concatenated.
-
-    ``_tree`` maps one structure; this zips several, following the same container kinds.
-    """
-    first = parts[0]
-    if isinstance(first, _Rows):
-        return gathered[first.index]
-    if first is None:
-        return None
-    if isinstance(first, Mapping):
-        merged = {k: _merge([p[k] for p in parts], gathered) for k in first}
-        if type(first) is dict:
-            return merged
-        try:
-            new = copy.copy(first)
-            new.update(merged)  # type: ignore[attr-defined]
-            return new
-        except (TypeError, AttributeError):
-            return merged
-    if isinstance(first, tuple) and hasattr(first, "_fields"):  # namedtuple
-        return type(first)(*(_merge(list(col), gathered) for col in zip(*parts, strict=True)))
-    if dataclasses.is_dataclass(first) and not isinstance(first, type):
-        new = copy.copy(cast(Any, first))
-        for f in dataclasses.fields(first):
-            value = _merge([getattr(p, f.name) for p in parts], gathered)
-            object.__setattr__(new, f.name, value)
-        return new
-    if isinstance(first, (list, tuple)):
-        if _holds_tensors(first):  # a structure holding tensors: merge position by position
-            return type(first)(_merge(list(col), gathered) for col in zip(*parts, strict=True))
-        return type(first)(item for p in parts for item in p)  # a batch of per-sample objects
-    raise ConfigurationError(
-        f"gather_for_metrics() found a bare {type(first).__name__} ({first!r}); it gathers "
-        "tensors and lists of per-sample objects. Put per-sample values in a list or a tensor "
-        "(one entry per sample), or use gather_object() for one value per rank."
-    )
+    return walk(obj)
 
 
 def split_between_processes(items: T, *, pad: bool = False) -> T:

@@ -1,0 +1,171 @@
+"""broadcast and broadcast_object, whose first message also checks that the ranks agree on src.
+
+torch's broadcast_object_list starts with a broadcast of the payload's size; when two ranks each
+believe they are the source, both send, neither receives, and each returns its own object as if
+it had been sent. Here the size travels in a small all_reduce instead (the same one message),
+summed with each rank's ``src`` and call as pairs ``(s, s*s)``: after it, ``sum(s) == W*s`` and
+``sum(s*s) == W*s*s`` on a rank only if every rank gave the same ``s``. The sums are the same
+on every rank, so every rank sees a disagreement and raises; none returns a value.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from . import _debug
+from ._collectives import comm_device, group_runtime
+from ._tree import iter_tensors, map_tensors
+from .errors import ConfigurationError, DistributedError
+
+if TYPE_CHECKING:
+    from ._distributed import DistributedRuntime
+
+T = TypeVar("T")
+_CALLS = {"broadcast": 1, "broadcast_object": 2}
+
+
+class _Slot:
+    """Stands for one tensor of the broadcast structure: its shape, dtype, and CPU or not."""
+
+    __slots__ = ("accelerated", "dtype", "shape")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape = tuple(t.shape)
+        self.dtype = t.dtype
+        self.accelerated = t.device.type != "cpu"
+
+
+def broadcast(tensors: T, src: int = 0) -> T:
+    """Every rank gets rank ``src``'s tensors (a tensor or a nested structure of them).
+
+    Only ``src``'s input matters: shapes (first dimensions included), dtypes and the structure
+    come from it, so the other ranks may pass anything, e.g. None; leaves that are not tensors
+    (numbers, strings, other picklable objects) come along as they are. Tensors that ``src``
+    keeps on the CPU arrive on the CPU, the others on this rank's device. ``src`` gets its
+    input back. Ranks that disagree on ``src`` all raise :class:`DistributedError` (checked
+    in the first message, which the call sends anyway). In a single process the input itself
+    is returned.
+
+    Example:
+        >>> import torch
+        >>> from accel_ctx import broadcast
+        >>> broadcast({"seed": torch.tensor(42)}, src=0)
+        {'seed': tensor(42)}
+    """
+    runtime = group_runtime()
+    if runtime is None:
+        if src != 0:
+            raise ConfigurationError(f"broadcast(src={src}): a single process has only rank 0.")
+        return tensors
+    me = runtime.rank == src
+    _debug.check(runtime, f"broadcast(src={src})")
+    leaves = list(iter_tensors(tensors)) if me else []
+    skeleton = _send_object(runtime, "broadcast", map_tensors(tensors, _Slot) if me else None,
+                            src)
+    slots: list[_Slot] = []
+    map_tensors(skeleton, lambda t: t, lambda o: slots.append(o) if isinstance(o, _Slot) else o)
+    received: dict[int, torch.Tensor] = {}
+    for (dtype, accelerated), group in _groups(slots, lambda s: (s.dtype, s.accelerated)).items():
+        home = runtime.device if accelerated else torch.device("cpu")
+        device = comm_device(runtime, home)
+        sizes = [_numel(slots[i].shape) for i in group]
+        if me:
+            flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dist.broadcast(flat, src)
+        for i, part in zip(group, torch.split(flat, sizes), strict=True):
+            received[i] = part.view(slots[i].shape).to(home)
+    if me:
+        return tensors
+    done = iter([received[i] for i in range(len(slots))])
+    return map_tensors(  # type: ignore[no-any-return]
+        skeleton, lambda t: t, lambda o: next(done) if isinstance(o, _Slot) else o
+    )
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    """Every rank gets rank ``src``'s ``obj`` (any picklable object); ``src`` gets its own back.
+
+    Ranks that disagree on ``src`` all raise :class:`DistributedError`; an object ``src``
+    cannot pickle raises on every rank.
+
+    Example:
+        >>> from accel_ctx import broadcast_object
+        >>> broadcast_object({"run_name": "baseline"})
+        {'run_name': 'baseline'}
+    """
+    runtime = group_runtime()
+    if runtime is None:
+        if src != 0:
+            raise ConfigurationError(
+                f"broadcast_object(src={src}): a single process has only rank 0."
+            )
+        return obj
+    _debug.check(runtime, f"broadcast_object(src={src})")
+    received = _send_object(runtime, "broadcast_object", obj, src)
+    return obj if runtime.rank == src else received
+
+
+def _valid_src(runtime: DistributedRuntime, src: Any) -> bool:
+    return not isinstance(src, bool) and isinstance(src, int) and 0 <= src < runtime.world_size
+
+
+def _send_object(runtime: DistributedRuntime, call: str, obj: Any, src: int) -> Any:
+    """``src``'s ``obj`` on every rank: a checked size message, then the pickled bytes."""
+    valid = _valid_src(runtime, src)
+    me = valid and runtime.rank == src
+    payload, problem = b"", ""
+    if me:
+        try:
+            payload = pickle.dumps(obj)
+        except Exception as exc:  # every rank must still take part, then raise
+            problem = f"{type(exc).__name__}: {exc}"
+    s, k = (src + 1 if valid else 0), _CALLS[call]
+    size = (len(payload) if not problem else -1) if me else 0
+    device = comm_device(runtime, torch.device("cpu"))
+    head = torch.tensor([s, s * s, k, k * k, size], dtype=torch.int64, device=device)
+    dist.all_reduce(head)
+    got = head.tolist()
+    world = runtime.world_size
+    if got[:4] != [world * s, world * s * s, world * k, world * k * k]:
+        said: list[Any] = [None] * world
+        dist.all_gather_object(said, f"{call}(src={src!r})")
+        raise DistributedError(
+            f"rank {runtime.rank}: {call}() stopped before moving any data: the ranks do not "
+            "agree on the call or its source (" + ", ".join(
+                f"rank {r}: {c}" for r, c in enumerate(said)) + "); no rank got a value. Give "
+            "every rank the same src (a rank number, not `state().rank`)."
+        )
+    if not valid:
+        raise ConfigurationError(f"{call}(src={src!r}): give a rank between 0 and {world - 1}.")
+    if got[4] < 0:
+        raise ConfigurationError(
+            f"{call}(src={src}): rank {src} could not pickle its object"
+            + (f" ({problem})" if problem else "") + "; send picklable data (or tensors)."
+        )
+    if me:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(got[4], dtype=torch.uint8, device=device)
+    dist.broadcast(data, src)
+    return obj if me else pickle.loads(data.cpu().numpy().tobytes())
+
+
+def _groups(items: list[Any], key: Callable[[Any], Any]) -> dict[Any, list[int]]:
+    groups: dict[Any, list[int]] = {}
+    for i, item in enumerate(items):
+        groups.setdefault(key(item), []).append(i)
+    return groups
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
