@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _state
+from ._blame import collective
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
 
@@ -98,6 +99,7 @@ def gather_tensor(
     return (torch.cat(kept) if kept else x[:0]).to(t.device)
 
 
+@collective
 def gather(tensors: T) -> T:
     """Concatenate every rank's tensors along dim 0, in rank order; the same result on all ranks.
 
@@ -123,6 +125,7 @@ def gather(tensors: T) -> T:
     return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
 
 
+@collective
 def gather_object(obj: T) -> list[T]:
     """Every rank's ``obj`` (any picklable object), in rank order; ``[obj]`` in a single process.
 
@@ -143,6 +146,7 @@ def gather_object(obj: T) -> list[T]:
     return parts
 
 
+@collective
 def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     """Combine every rank's tensors element-wise: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
 
@@ -197,6 +201,7 @@ class _Slot:
         self.accelerated = t.device.type != "cpu"
 
 
+@collective
 def broadcast(tensors: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s tensors (a tensor or a nested structure of them).
 
@@ -258,6 +263,7 @@ def _check_src(runtime: DistributedRuntime, call: str, src: int) -> None:
         )
 
 
+@collective
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object); ``src`` gets its own back.
 
@@ -280,6 +286,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     return obj if runtime.rank == src else box[0]
 
 
+@collective
 def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
                          pad_first: bool = False) -> T:
     """Pad each tensor along ``dim`` to the largest size any rank has, so collectives fit.

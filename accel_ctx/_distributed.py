@@ -22,6 +22,7 @@ from torch.distributed.rendezvous import rendezvous
 from typing_extensions import Unpack
 
 from . import _env, _state
+from ._progress import FAILED, LEFT, Heartbeat, Progress
 from ._scope import Scope
 from ._tree import to_device
 from .errors import (
@@ -301,6 +302,9 @@ class DistributedRuntime:
         self._warned_batchnorm = False
         self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
         self._parts_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # where this rank is (step, phase), for the other ranks' failure messages (_blame)
+        self.progress: Progress = base.progress if base is not None else Progress()
+        self.heartbeat: Heartbeat | None = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -326,7 +330,9 @@ class DistributedRuntime:
             exits.callback(torch.cuda.set_device, previous)
         runtime = cls(launch, device, backend, options, None)
         exits.callback(runtime._release_modules)
-        exits.push(runtime._announce_failure)
+        exits.push(runtime._announce_exit)
+        if runtime.world_size > 1 and dist.is_initialized():
+            runtime._start_heartbeat()
         runtime.default_precision = precision_from_env(device, exits)
         return runtime
 
@@ -354,6 +360,12 @@ class DistributedRuntime:
                 self.base._check_part(module)
             return module, None
         if not grad:
+            return module, None
+        if self.world_size > 1 and _state.rank_only() is not None:
+            # Rank-only code: DDP's collectives would wait for ranks that never come. Run the
+            # module itself; a backward through it is refused (_patches._backward).
+            self.progress.armed = bool(record.engine) or (
+                record.engine is None and any(p.requires_grad for p in module.parameters()))
             return module, None
         if record.engine is None:  # decided once, at the first call that records gradients
             record.engine = self._engine_for(module) or False
@@ -476,16 +488,37 @@ class DistributedRuntime:
                 _state.set_module_record(sub, None)
         self.adopted.discard(module)
 
-    def _announce_failure(
+    def _start_heartbeat(self) -> None:
+        from ._barrier import store_and_prefix
+
+        store, prefix = store_and_prefix(self)
+        self.heartbeat = Heartbeat(self, store, f"{prefix}/progress/{self.rank}")
+        self.heartbeat.start()
+
+    def _announce_exit(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
     ) -> bool:
-        """Leaving by an exception: the other ranks' next sync point fails at once, naming us."""
-        if exc is not None and self.world_size > 1 and dist.is_initialized():
-            from ._barrier import announce_failure
+        """Leaving, by an exception or not: the other ranks' next sync point fails at once
+        naming us, and our last progress says "left" or "failed" (see ``_blame``)."""
+        beat, self.heartbeat = self.heartbeat, None
+        if beat is not None:
+            beat.stop()
+        if self.world_size == 1 or not dist.is_initialized():
+            return False
+        from ._barrier import announce_failure
 
-            announce_failure(
-                self, f"rank {self.rank} left distributed() with {type(exc).__name__}: {exc}"
-            )
+        progress = self.progress
+        where = progress.describe()
+        if exc is None:
+            progress.state = LEFT
+            announce_failure(self, f"rank {self.rank} left distributed() at {where}", "left")
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            if progress.state != FAILED:  # not already failed naming someone else (_blame)
+                progress.state, progress.detail = FAILED, text[:500]
+            announce_failure(self, f"rank {self.rank} left distributed() with {text} at {where}")
+        if beat is not None:
+            beat.publish(dist.distributed_c10d._get_default_store())
         return False
 
     def _release_modules(self) -> None:

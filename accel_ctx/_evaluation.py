@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _state
+from ._blame import collective
 from ._collectives import gather_tensor, group_runtime
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
@@ -29,6 +30,7 @@ class _Rows:
         self.rows = rows
 
 
+@collective
 def gather_for_metrics(obj: T) -> T:
     """Gather one evaluation batch from every rank, without the samples padding repeated.
 
