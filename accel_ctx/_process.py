@@ -12,8 +12,18 @@ come: their next ``wait_for_everyone()`` (in debug mode, their next collective) 
 :class:`~accel_ctx.errors.DistributedError` naming the failed rank, the function and the
 exception, within moments. The failure is fatal to the job even if the failing rank catches the
 exception and goes on (it raises at that point too): handle recoverable errors inside the
-function. Code that fails under a plain ``if state().is_main_process:`` is not announced; the
-other ranks then wait ``distributed(timeout=...)`` and raise an error naming the missing rank.
+function. Code that fails under a plain ``if state().is_main_process:`` is not announced by
+itself, but the exception leaving ``distributed()`` is (and a collective the others wait in
+fails, naming this rank: see ``_blame``).
+
+Collectives inside rank-only code: while a decorated function runs on its chosen ranks (unless
+those are all the ranks), and while the first rank runs a ``main_process_first()`` block, the
+code is marked rank-only; every collective entry point (``gather`` & co., ``wait_for_everyone``,
+``save_state``/``load_state``/``save_model``, a backward that DDP would average) raises
+:class:`~accel_ctx.errors.DistributedError` there at once, naming the decorator: the other ranks
+would never join it. A forward with gradients there runs the model itself (DDP's forward
+collectives would hang too). ``with on_main_process() as here:`` blocks are not marked: their
+body runs on every rank.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ main_process_first() raise at once instead of hanging. The launchers blame the s
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -117,6 +118,16 @@ def test_a_collective_inside_main_process_first_raises_and_releases_the_others(r
     assert "rank 0 runs the block while the other ranks wait" in message0
     assert kind1 == "DistributedError" and "rank 0 raised DistributedError" in message1
     assert seconds1 < AT_ONCE
+
+
+def test_a_rank_whose_process_dies_is_named_by_every_other_rank(tmp_path):
+    results = spawn(blame_trust.rank_dies, 3, tmp_path, timeout=120, expect_failure=True)
+    assert results[1] == "no result"  # os._exit: it sent nothing
+    for rank in (0, 2):
+        kind, message, culprit, seconds = pickle.loads(results[rank])
+        assert kind == "DistributedError", (rank, message)
+        assert "rank 1's process died (last seen at step" in message, message
+        assert culprit == 1 and seconds < LONG
 
 
 def test_launch_fn_names_the_stalled_rank(tmp_path):

@@ -175,13 +175,17 @@ def run_all(folder: str) -> dict[str, Any]:
     return results
 
 
-def launched_rank_dies(folder: str) -> None:
-    """For launch(fn): rank 1's process ends without a word at step 2 (os._exit)."""
-    with distributed(timeout=LONG):
-        torch.manual_seed(0)
-        _train(nn.Linear(4, 2), 6, stop=lambda s: state().rank == 1 and s == 2 and os._exit(3))
-
-
 def launched_stall(folder: str) -> None:
     """For launch(fn): rank 1 stalls in forward at step 3."""
     stall_in_forward(Path(folder))()
+
+
+def rank_dies() -> tuple[str, str, Any, float]:
+    """Rank 1's process ends without a word at step 2 (os._exit): the others name it."""
+    return _attempt(_dies_at_step_2)
+
+
+def _dies_at_step_2() -> None:
+    with distributed(timeout=LONG):
+        torch.manual_seed(0)
+        _train(nn.Linear(4, 2), 6, stop=lambda s: state().rank == 1 and s == 2 and os._exit(3))
