@@ -24,7 +24,7 @@ from ._spawn import spawn
 from .workers import blame_trust
 from .workers.blame_trust import LONG, STALL_TIMEOUT
 
-AT_ONCE = 20.0  # seconds: far below LONG, the timeout the waiting ranks had
+AT_ONCE = 45.0  # seconds, scope set-up on a loaded machine included: far below LONG
 ROOT = Path(__file__).resolve().parent.parent
 ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 
@@ -33,7 +33,7 @@ ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 def ranks(request, tmp_path_factory):
     world = request.param
     folder = tmp_path_factory.mktemp("blame")
-    return world, spawn(blame_trust.run_all, world, folder, str(folder), timeout=240)
+    return world, spawn(blame_trust.run_all, world, folder, str(folder), timeout=300)
 
 
 def _outcomes(results, name):
@@ -47,11 +47,12 @@ def test_a_stalled_rank_is_named_with_its_step_and_phase(ranks):
         assert culprit == 1
         if rank == 1:  # the stalled rank learns it was the one given up on
             assert "gave up waiting for this rank" in message
-        else:
+        else:  # the gloo timeout that applies is distributed(timeout=...), not ten minutes
             assert seconds < STALL_TIMEOUT + AT_ONCE
         assert "rank 1 stopped answering at step 3, in forward" in message
         assert "in _wait_for_flag" in message  # the line it was stuck on
-        assert "timed out waiting for it in backward" in message
+        assert "waiting for it in backward" in message or "connection to it in backward" in (
+            message)
 
 
 def test_a_rank_leaving_early_is_named_at_once_in_backward(ranks):

@@ -32,8 +32,8 @@ from accel_ctx import (
     wait_for_everyone,
 )
 
-STALL_TIMEOUT = 8.0  # distributed(timeout=...) where a rank stalls: the gloo timeout that applies
-LONG = 60.0  # where the others must raise at once: far longer than any test waits
+STALL_TIMEOUT = 10.0  # distributed(timeout=...) where a rank stalls: the gloo timeout that applies
+LONG = 120.0  # where the others must raise at once: far longer than any test waits
 
 
 def _attempt(scenario: Callable[[], None]) -> tuple[str, str, Any, float]:
