@@ -292,7 +292,10 @@ def wait_for_everyone() -> None:
     Unlike ``dist.barrier()`` it knows about failures: when a rank failed in rank-only code
     (``@on_main_process`` & co., ``main_process_first()``), every rank raises
     :class:`~accel_ctx.errors.DistributedError` here naming that rank, instead of waiting for it
-    until the timeout. A rank that never arrives is named after ``distributed(timeout=...)``.
+    until the timeout; a rank that left ``distributed()`` is named at once too. A rank that
+    never arrives is named after ``distributed(timeout=...)``, with where it last was. Called
+    inside rank-only code (``@on_main_process`` & co.) it raises at once: the other ranks would
+    never arrive.
 
     Example:
         >>> from accel_ctx import distributed, wait_for_everyone
