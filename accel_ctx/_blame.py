@@ -150,6 +150,12 @@ def _judge(runtime: DistributedRuntime, doing: str, timed_out: bool
                 ), "Their process died or froze: see their output for the cause."
     if found is not None:
         return found
+    silent = [r for r in range(world) if r != me and r not in records]
+    if silent:
+        return silent, (
+            f"rank(s) {silent} never reported any progress (dead or stuck since the scope "
+            f"began) while rank {me} was in {doing}"
+        ), "See their output for the cause."
     listing = "; ".join(f"rank {r}: {_progress.describe(rec)}" for r, rec in sorted(records.items()))
     return [], (
         f"{doing} could not complete, and no rank is behind the others ({listing})"
