@@ -112,8 +112,10 @@ def sync_point(
         if isinstance(exc, DistributedError):
             raise
         # A timeout, or the store's host (rank 0 with a TCP store) went away.
-        raise DistributedError(_stalled(runtime, record, point, label, timeout.total_seconds(),
-                                         exc)) from exc
+        text, missing = _stalled(runtime, record, point, label, timeout.total_seconds(), exc)
+        error = DistributedError(text)
+        error.culprit = missing[0] if missing else None  # type: ignore[attr-defined]
+        raise error from exc
     finally:
         record.pending = 0
     record.completed = n
@@ -153,7 +155,7 @@ def _refused(rank: int, label: str, verdict: str) -> DistributedError:
 def _stalled(
     runtime: DistributedRuntime, record: _SyncRecord, point: str, label: str, seconds: float,
     exc: BaseException,
-) -> str:
+) -> tuple[str, list[int]]:
     rank, world = runtime.rank, runtime.world_size
     try:
         missing = [
@@ -163,7 +165,7 @@ def _stalled(
         return (
             f"rank {rank}: {label} lost the rendezvous store ({exc}). The rank hosting it (rank "
             "0 with a TCP store) has most likely exited: see its output for the cause."
-        )
+        ), []
     from ._blame import whereabouts
 
     where = whereabouts(runtime, missing)
@@ -172,7 +174,7 @@ def _stalled(
         f"({exc}){f'; {where}' if where else ''}. They are stuck, dead, or skipped this call: "
         "every rank must make the same sequence of wait_for_everyone()/collective calls. See "
         "their output; raise distributed(timeout=...) if they are only slow."
-    )
+    ), missing
 
 
 def _forget(record: _SyncRecord, n: int, rank: int) -> None:

@@ -156,7 +156,8 @@ def _judge(runtime: DistributedRuntime, doing: str, timed_out: bool
             f"rank(s) {silent} never reported any progress (dead or stuck since the scope "
             f"began) while rank {me} was in {doing}"
         ), "See their output for the cause."
-    listing = "; ".join(f"rank {r}: {_progress.describe(rec)}" for r, rec in sorted(records.items()))
+    listing = "; ".join(
+        f"rank {r}: {_progress.describe(rec)}" for r, rec in sorted(records.items()))
     return [], (
         f"{doing} could not complete, and no rank is behind the others ({listing})"
     ), (
@@ -222,7 +223,7 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
 
 
 def whereabouts(runtime: DistributedRuntime, ranks: list[int]) -> str:
-    """Where the given ranks last reported to be, for a barrier's timeout message ('' if unknown)."""
+    """Where the given ranks last reported to be, for a barrier's timeout message ('' if none)."""
     from ._barrier import store_and_prefix
 
     with contextlib.suppress(Exception):

@@ -22,7 +22,7 @@ from torch.distributed.rendezvous import rendezvous
 from typing_extensions import Unpack
 
 from . import _env, _state
-from ._progress import FAILED, LEFT, Heartbeat, Progress
+from ._progress import Heartbeat, Progress, watch
 from ._scope import Scope
 from ._tree import to_device
 from .errors import (
@@ -330,9 +330,7 @@ class DistributedRuntime:
             exits.callback(torch.cuda.set_device, previous)
         runtime = cls(launch, device, backend, options, None)
         exits.callback(runtime._release_modules)
-        exits.push(runtime._announce_exit)
-        if runtime.world_size > 1 and dist.is_initialized():
-            runtime._start_heartbeat()
+        watch(runtime, exits)  # publish its progress; announce its exit to the other ranks
         runtime.default_precision = precision_from_env(device, exits)
         return runtime
 
@@ -487,39 +485,6 @@ class DistributedRuntime:
             if record is not None and record.owner is self:
                 _state.set_module_record(sub, None)
         self.adopted.discard(module)
-
-    def _start_heartbeat(self) -> None:
-        from ._barrier import store_and_prefix
-
-        store, prefix = store_and_prefix(self)
-        self.heartbeat = Heartbeat(self, store, f"{prefix}/progress/{self.rank}")
-        self.heartbeat.start()
-
-    def _announce_exit(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> bool:
-        """Leaving, by an exception or not: the other ranks' next sync point fails at once
-        naming us, and our last progress says "left" or "failed" (see ``_blame``)."""
-        beat, self.heartbeat = self.heartbeat, None
-        if beat is not None:
-            beat.stop()
-        if self.world_size == 1 or not dist.is_initialized():
-            return False
-        from ._barrier import announce_failure
-
-        progress = self.progress
-        where = progress.describe()
-        if exc is None:
-            progress.state = LEFT
-            announce_failure(self, f"rank {self.rank} left distributed() at {where}", "left")
-        else:
-            text = f"{type(exc).__name__}: {exc}"
-            if progress.state != FAILED:  # not already failed naming someone else (_blame)
-                progress.state, progress.detail = FAILED, text[:500]
-            announce_failure(self, f"rank {self.rank} left distributed() with {text} at {where}")
-        if beat is not None:
-            beat.publish(dist.distributed_c10d._get_default_store())
-        return False
 
     def _release_modules(self) -> None:
         for parent, name, original in reversed(self._undo_batchnorm):

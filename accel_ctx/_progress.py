@@ -21,9 +21,11 @@ import os
 import socket
 import sys
 import threading
+from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -38,7 +40,9 @@ RUNNING, LEFT, FAILED = "running", "left", "failed"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-_SKIPPED = (_PACKAGE_DIR, _TORCH_DIR, os.path.abspath(contextlib.__file__))
+_SKIPPED = (_PACKAGE_DIR, _TORCH_DIR)
+# the standard library too: a wait in pathlib, threading or queue shows the caller's line
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 
 
 class Progress:
@@ -80,12 +84,20 @@ def _phase(phase: str) -> str:
     return phase if phase.startswith(("after ", "before ")) else f"in {phase}"
 
 
+def _is_users(filename: str) -> bool:
+    if filename.startswith("<") or "/wrapt/" in filename:
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith(_SKIPPED):
+        return False
+    return not path.startswith(_STDLIB) or "-packages" in path
+
+
 def _user_line(frame: Any) -> str:
-    """The innermost frame outside accel_ctx, torch, wrapt and contextlib: the user's line."""
+    """The innermost frame outside accel_ctx, torch, wrapt and the standard library."""
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith("<") and not os.path.abspath(filename).startswith(
-            _SKIPPED) and "/wrapt/" not in filename:
+        if _is_users(filename):
             return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return ""
@@ -189,3 +201,41 @@ def process_gone(record: dict[str, Any]) -> bool:
         except OSError:
             return False
         return False
+
+
+def watch(runtime: DistributedRuntime, exits: ExitStack) -> None:
+    """For a base runtime: start its heartbeat (several processes) and announce its exit."""
+
+    def announce_exit(exc_type: type[BaseException] | None, exc: BaseException | None,
+                      tb: object) -> bool:
+        """Leaving, by an exception or not: the other ranks' next sync point fails at once,
+        naming this rank, and its last record says "left" or "failed" (see ``_blame``)."""
+        beat, runtime.heartbeat = runtime.heartbeat, None
+        if beat is not None:
+            beat.stop()
+        if runtime.world_size == 1 or not dist.is_initialized():
+            return False
+        from ._barrier import announce_failure
+
+        progress = runtime.progress
+        where = progress.describe()
+        if exc is None:
+            progress.state = LEFT
+            announce_failure(runtime, f"rank {runtime.rank} left distributed() at {where}", "left")
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            if progress.state != FAILED:  # not already failed naming someone else (_blame)
+                progress.state, progress.detail = FAILED, text[:500]
+            announce_failure(
+                runtime, f"rank {runtime.rank} left distributed() with {text} at {where}")
+        if beat is not None:
+            beat.publish(dist.distributed_c10d._get_default_store())
+        return False
+
+    exits.push(announce_exit)
+    if runtime.world_size > 1 and dist.is_initialized():
+        from ._barrier import store_and_prefix
+
+        store, prefix = store_and_prefix(runtime)
+        runtime.heartbeat = Heartbeat(runtime, store, f"{prefix}/progress/{runtime.rank}")
+        runtime.heartbeat.start()

@@ -99,3 +99,21 @@ def test_accel_ctx_launch_names_the_culprit_from_the_error_file(tmp_path, monkey
     assert "rank 1 stopped answering at step 5, in forward" in text
     plain = describe_failure(ChildFailedError("train.py", {1: failures[1]}), 0)
     assert "accel-ctx launch: rank 1 (local rank 1" in plain  # no accel_ctx error file
+
+
+def test_the_line_shown_is_the_users_not_the_standard_librarys():
+    import copy
+    import sys
+
+    seen: list[str] = []
+
+    class Probe:
+        def __deepcopy__(self, memo):
+            seen.append(_progress._user_line(sys._getframe(1)))  # copy.deepcopy's frame
+            return self
+
+    def caller() -> None:
+        copy.deepcopy(Probe())
+
+    caller()
+    assert seen == [f"test_blame_rules_trust.py:{caller.__code__.co_firstlineno + 1} in caller"]
