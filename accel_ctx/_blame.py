@@ -159,7 +159,7 @@ def _judge(runtime: DistributedRuntime, doing: str, timed_out: bool
     listing = "; ".join(
         f"rank {r}: {_progress.describe(rec)}" for r, rec in sorted(records.items()))
     return [], (
-        f"{doing} could not complete, and no rank is behind the others ({listing})"
+        f"rank {me} gave up in {doing}, and no rank is behind the others ({listing})"
     ), (
         "The ranks are most likely in different collectives: every rank must make the same "
         "sequence of collective calls (look for one under `if state().is_main_process:` or a "
