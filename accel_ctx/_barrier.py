@@ -10,8 +10,10 @@ The n-th sync point of a process group (every rank counts its own; all run the s
 
 * rank r writes ``n/arrived/r`` (what it waits in), then adds 1 to ``n/count``; the rank that
   brings the count to the world size writes ``n/done = "ok"``;
-* a failing rank writes ``n/done = "failed: ..."`` for the point it would join next
-  (``compare_set``: the first failure wins, and a completed point cannot be overwritten);
+* a failing rank writes ``n/done = "failed: <rank>|..."`` for the point it would join next, a
+  rank leaving ``distributed()`` without an error ``n/done = "left: <rank>|..."``, a rank that
+  gave up on another ``"blame: <that rank>|..."`` (``compare_set``: the first one wins, and a
+  completed point cannot be overwritten);
 * every rank waits for ``n/done`` and reads it.
 
 Keys of point n-1 are deleted once point n completes: by then every rank has posted at n, so
@@ -36,6 +38,8 @@ if TYPE_CHECKING:
 
 _OK = "ok"
 _FAILED = "failed: "
+_LEFT = "left: "
+_BLAME = "blame: "
 
 
 class _SyncRecord:
@@ -71,6 +75,12 @@ def _record(runtime: DistributedRuntime) -> _SyncRecord:
         return record
 
 
+def store_and_prefix(runtime: DistributedRuntime) -> tuple[Store, str]:
+    """The store and key prefix of ``runtime``'s process group (progress records live there)."""
+    record = _record(runtime)
+    return record.store, record.prefix
+
+
 def sync_point(
     runtime: DistributedRuntime, label: str, signature: str | None = None, read: bool = False
 ) -> list[str]:
@@ -86,6 +96,7 @@ def sync_point(
     record.pending = n
     point = f"{record.prefix}/{n}"
     timeout = runtime.options.timeout
+    runtime.progress.enter(label)
     try:
         store.set(f"{point}/arrived/{rank}", signature if signature is not None else label)
         if store.add(f"{point}/count", 1) == world:
@@ -93,12 +104,7 @@ def sync_point(
         store.wait([f"{point}/done"], timeout)
         verdict = store.get(f"{point}/done").decode()
         if verdict != _OK:
-            raise DistributedError(
-                f"rank {rank}: {label} cannot complete because {verdict[len(_FAILED):]}. This "
-                "rank stops here instead of waiting for it; see that rank's traceback for the "
-                "cause. A failure in rank-only code ends the job even if that rank catches it: "
-                "handle recoverable errors inside the function."
-            )
+            raise _refused(rank, label, verdict)
         signatures = [] if not read else [
             v.decode() for v in store.multi_get([f"{point}/arrived/{r}" for r in range(world)])
         ]
@@ -106,19 +112,51 @@ def sync_point(
         if isinstance(exc, DistributedError):
             raise
         # A timeout, or the store's host (rank 0 with a TCP store) went away.
-        raise DistributedError(_stalled(record, point, rank, world, label, timeout.total_seconds(),
-                                         exc)) from exc
+        text, missing = _stalled(runtime, record, point, label, timeout.total_seconds(), exc)
+        error = DistributedError(text)
+        error.culprit = missing[0] if missing else None  # type: ignore[attr-defined]
+        raise error from exc
     finally:
         record.pending = 0
     record.completed = n
+    runtime.progress.phase = f"after {label}"
     _forget(record, n - 1, rank)
     return signatures
 
 
+def _refused(rank: int, label: str, verdict: str) -> DistributedError:
+    """The error for a sync point another rank marked (``<kind>: <culprit>|<what>``)."""
+    kind = next((k for k in (_LEFT, _BLAME, _FAILED) if verdict.startswith(k)), _FAILED)
+    culprit, _, what = verdict[len(kind):].partition("|")
+    because = f"rank {rank}: {label} cannot complete because {what}"
+    if kind == _LEFT:
+        text = (
+            f"{because}: that rank will never arrive, so this rank stops here instead of "
+            "waiting for it. Every rank must make the same wait_for_everyone()/collective calls "
+            "until the scope ends: look for a loop that ends sooner, a break or a return on "
+            "that rank."
+        )
+    elif kind == _BLAME:
+        text = (
+            f"{because}. This rank stops here instead of waiting; see the output of the rank "
+            "named for the cause."
+        )
+    else:
+        text = (
+            f"{because}. This rank stops here instead of waiting for it; see that rank's "
+            "traceback for the cause. A failure in rank-only code ends the job even if that "
+            "rank catches it: handle recoverable errors inside the function."
+        )
+    error = DistributedError(text)
+    error.culprit = int(culprit) if culprit.isdigit() else None  # type: ignore[attr-defined]
+    return error
+
+
 def _stalled(
-    record: _SyncRecord, point: str, rank: int, world: int, label: str, seconds: float,
+    runtime: DistributedRuntime, record: _SyncRecord, point: str, label: str, seconds: float,
     exc: BaseException,
-) -> str:
+) -> tuple[str, list[int]]:
+    rank, world = runtime.rank, runtime.world_size
     try:
         missing = [
             r for r in range(world) if not record.store.check([f"{point}/arrived/{r}"])
@@ -127,13 +165,16 @@ def _stalled(
         return (
             f"rank {rank}: {label} lost the rendezvous store ({exc}). The rank hosting it (rank "
             "0 with a TCP store) has most likely exited: see its output for the cause."
-        )
+        ), []
+    from ._blame import whereabouts
+
+    where = whereabouts(runtime, missing)
     return (
         f"rank {rank}: {label} waited {seconds:g} s for rank(s) {missing}, which never arrived "
-        f"({exc}). They are stuck, dead, or skipped this call: every rank must make the same "
-        "sequence of wait_for_everyone()/collective calls. See their output; raise "
-        "distributed(timeout=...) if they are only slow."
-    )
+        f"({exc}){f'; {where}' if where else ''}. They are stuck, dead, or skipped this call: "
+        "every rank must make the same sequence of wait_for_everyone()/collective calls. See "
+        "their output; raise distributed(timeout=...) if they are only slow."
+    ), missing
 
 
 def _forget(record: _SyncRecord, n: int, rank: int) -> None:
@@ -147,9 +188,13 @@ def _forget(record: _SyncRecord, n: int, rank: int) -> None:
             record.store.delete_key(f"{point}/done")
 
 
-def announce_failure(runtime: DistributedRuntime, what: str) -> None:
+def announce_failure(runtime: DistributedRuntime, what: str, kind: str = "failed",
+                     culprit: int | None = None) -> None:
     """Mark the next sync point failed: the ranks waiting there raise, naming ``what``.
 
+    ``kind``: "failed" (an exception), "left" (this rank leaves ``distributed()`` without an
+    error; ``what`` says where) or "blame" (``what`` names another rank that stopped answering).
+    ``culprit``: the rank to blame (default: this one), for the launchers' summaries.
     Called while an exception propagates, so it never raises itself.
     """
     if runtime.world_size == 1:
@@ -157,4 +202,6 @@ def announce_failure(runtime: DistributedRuntime, what: str) -> None:
     with contextlib.suppress(Exception):
         record = _record(runtime)
         n = record.pending or record.completed + 1
-        record.store.compare_set(f"{record.prefix}/{n}/done", "", _FAILED + what)
+        prefix = {"left": _LEFT, "blame": _BLAME}.get(kind, _FAILED)
+        rank = runtime.rank if culprit is None else culprit
+        record.store.compare_set(f"{record.prefix}/{n}/done", "", f"{prefix}{rank}|{what}")

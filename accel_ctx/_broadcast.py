@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug
+from ._blame import collective
 from ._collectives import comm_device, group_runtime
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError, DistributedError
@@ -40,6 +41,7 @@ class _Slot:
         self.accelerated = t.device.type != "cpu"
 
 
+@collective
 def broadcast(tensors: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s tensors (a tensor or a nested structure of them).
 
@@ -89,6 +91,7 @@ def broadcast(tensors: T, src: int = 0) -> T:
     )
 
 
+@collective
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object); ``src`` gets its own back.
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import _checkpoint_state as owned
 from . import _rng, _state
+from ._blame import collective
 from .errors import CheckpointError, ConfigurationError
 
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
@@ -52,6 +53,7 @@ class Resumed:
         return self.path is not None
 
 
+@collective
 def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
                **objects: Any) -> Path:
     """Save a checkpoint of the training state, atomically; call it on every rank.
@@ -143,6 +145,7 @@ def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[s
             for n, m in stateful.items() if isinstance(m, nn.Module)}
 
 
+@collective
 def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
     """Load the newest complete checkpoint under ``directory`` into ``objects``; all ranks call it.
 

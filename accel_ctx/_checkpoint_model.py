@@ -12,11 +12,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from ._blame import collective
+
 
 def _safetensors_available() -> bool:
     return importlib.util.find_spec("safetensors") is not None
 
 
+@collective
 def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Write ``model``'s weights to ``path`` from rank 0, atomically; call it on every rank.
 

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _debug, _state
+from ._blame import collective
 from ._exchange import describe, exchange
 from ._reduce import reduce_tensors
 from ._skeleton import fill, merge
@@ -88,6 +89,7 @@ def travel_type(runtime: DistributedRuntime) -> Callable[[torch.Tensor], str]:
     return lambda t: comm_device(runtime, t.device).type
 
 
+@collective
 def gather(tensors: T) -> T:
     """Concatenate every rank's tensors along dim 0, in rank order; the same result on all ranks.
 
@@ -127,6 +129,7 @@ def gather(tensors: T) -> T:
     return merge(heads.skeletons, gathered)  # type: ignore[no-any-return]
 
 
+@collective
 def gather_object(obj: T) -> list[T]:
     """Every rank's ``obj`` (any picklable object), in rank order; ``[obj]`` in a single process.
 
@@ -147,6 +150,7 @@ def gather_object(obj: T) -> list[T]:
     return parts
 
 
+@collective
 def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     """Combine every rank's tensors element-wise: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
 
@@ -188,6 +192,7 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     return fill(d.skeleton, values)  # type: ignore[no-any-return]
 
 
+@collective
 def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
                          pad_first: bool = False) -> T:
     """Pad each tensor along ``dim`` to the largest size any rank has, so collectives fit.

@@ -22,6 +22,7 @@ from torch.distributed.rendezvous import rendezvous
 from typing_extensions import Unpack
 
 from . import _env, _state
+from ._progress import Heartbeat, Progress, watch
 from ._scope import Scope
 from ._tree import to_device
 from .errors import (
@@ -301,6 +302,9 @@ class DistributedRuntime:
         self._warned_batchnorm = False
         self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
         self._parts_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # where this rank is (step, phase), for the other ranks' failure messages (_blame)
+        self.progress: Progress = base.progress if base is not None else Progress()
+        self.heartbeat: Heartbeat | None = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -326,7 +330,7 @@ class DistributedRuntime:
             exits.callback(torch.cuda.set_device, previous)
         runtime = cls(launch, device, backend, options, None)
         exits.callback(runtime._release_modules)
-        exits.push(runtime._announce_failure)
+        watch(runtime, exits)  # publish its progress; announce its exit to the other ranks
         runtime.default_precision = precision_from_env(device, exits)
         return runtime
 
@@ -354,6 +358,12 @@ class DistributedRuntime:
                 self.base._check_part(module)
             return module, None
         if not grad:
+            return module, None
+        if self.world_size > 1 and _state.rank_only() is not None:
+            # Rank-only code: DDP's collectives would wait for ranks that never come. Run the
+            # module itself; a backward through it is refused (_patches._backward).
+            self.progress.armed = bool(record.engine) or (
+                record.engine is None and any(p.requires_grad for p in module.parameters()))
             return module, None
         if record.engine is None:  # decided once, at the first call that records gradients
             record.engine = self._engine_for(module) or False
@@ -475,18 +485,6 @@ class DistributedRuntime:
             if record is not None and record.owner is self:
                 _state.set_module_record(sub, None)
         self.adopted.discard(module)
-
-    def _announce_failure(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
-    ) -> bool:
-        """Leaving by an exception: the other ranks' next sync point fails at once, naming us."""
-        if exc is not None and self.world_size > 1 and dist.is_initialized():
-            from ._barrier import announce_failure
-
-            announce_failure(
-                self, f"rank {self.rank} left distributed() with {type(exc).__name__}: {exc}"
-            )
-        return False
 
     def _release_modules(self) -> None:
         for parent, name, original in reversed(self._undo_batchnorm):

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
+from ._blame import collective
 from ._collectives import _ADVICE, gather_tensor, group_runtime, meta_device, travel_type
 from ._exchange import PADDING, describe, exchange
 from ._skeleton import merge, rebuild_mapping, rebuild_sequence
@@ -21,6 +22,7 @@ from .errors import ConfigurationError
 T = TypeVar("T")
 
 
+@collective
 def gather_for_metrics(obj: T) -> T:
     """Gather one evaluation batch from every rank, without the samples padding repeated.
 

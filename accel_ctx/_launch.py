@@ -290,6 +290,10 @@ def _raise_remote(rank: int, world: int, payload: bytes, text: str, summary: str
         exc = pickle.loads(payload)
         if isinstance(exc, BaseException):
             note = f"raised by rank {rank} of {world} in launch(); the other ranks were stopped"
+            culprit = getattr(exc, "culprit", None)  # the rank our DistributedError blames
+            if isinstance(culprit, int) and culprit != rank:
+                note = (f"launch(): rank {culprit} of {world} caused this failure (named by rank "
+                        f"{rank}, which raised it); the other ranks were stopped")
             if hasattr(exc, "add_note"):
                 exc.add_note(note)
             raise exc from cause

@@ -30,7 +30,8 @@ from torch.optim import lr_scheduler
 from torch.optim import optimizer as _optim_module
 from torch.utils.data import DataLoader
 
-from . import _clip, _data, _state
+from . import _blame, _clip, _data, _state
+from ._progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
 from .errors import PatchConflictError
 
 _MISSING: Any = object()
@@ -216,7 +217,16 @@ def _top_level_call(
     runtime = stack.dist
     grad = torch.is_grad_enabled()
     if runtime is not None:
-        call, engine = runtime.prepare(module, grad)
+        progress = runtime.progress  # where this rank is, for the others' error messages
+        progress.seq += 1
+        progress.phase = FORWARD
+        try:
+            call, engine = runtime.prepare(module, grad)  # builds DDP: a broadcast from rank 0
+        except Exception as exc:
+            _blame.reraise(runtime, exc, "forward (setting up DDP)")
+            raise
+        if engine is not None and grad:
+            progress.armed = True  # its backward averages gradients with every rank
         if engine is None or runtime.device.type != "cuda":
             args, kwargs = runtime.inputs_to_device(args, kwargs)
         device_type: str | None = runtime.device.type
@@ -240,8 +250,14 @@ def _top_level_call(
         with precision.autocast(device_type or _module_device_type(module)):
             out = call(*args, **kwargs)
         return precision.cast_output(out)
+    except Exception as exc:
+        if runtime is not None and engine is not None:
+            _blame.reraise(runtime, exc, "forward")  # DDP's buffer broadcast
+        raise
     finally:
         _state.reset(token)
+        if runtime is not None:
+            runtime.progress.phase = AFTER_FORWARD
 
 
 # ------------------------------------------------------------------------------------------------
@@ -263,6 +279,13 @@ def _backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
     if stack is None or _IN_BACKWARD.get():
         return wrapped(*args, **kwargs)
     session = stack.session
+    runtime = stack.dist
+    if runtime is not None:
+        progress = runtime.progress
+        if progress.armed and runtime.world_size > 1:
+            _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")
+        progress.seq += 1
+        progress.phase = BACKWARD
     loss = instance
     accumulation = stack.accumulate
     if accumulation is not None:
@@ -274,8 +297,15 @@ def _backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
     token = _IN_BACKWARD.set(True)
     try:
         result = _stock_backward(loss, *args, **kwargs)
+    except Exception as exc:
+        if runtime is not None:
+            _blame.reraise(runtime, exc, "backward")  # DDP's gradient all-reduce
+        raise
     finally:
         _IN_BACKWARD.reset(token)
+    if runtime is not None:
+        progress.armed = False
+        progress.phase = AFTER_BACKWARD
     session.backward_calls += 1
     if accumulation is not None:
         accumulation.after_backward(session, lambda: _params_in_play(stack))
@@ -358,6 +388,9 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> An
             precision.skipped_steps += 1
             session.skipped_steps += 1
     record.skipping = skip
+    if stack.dist is not None:
+        progress = stack.dist.progress
+        progress.step, progress.seq, progress.phase = session.step, 0, STEP
     if skip:
         return ((_skipped_view(optimizer), *args[1:]), kwargs)
     return None
@@ -373,6 +406,8 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     record.depth -= 1
     if record.depth == 0 and not record.skipping:
         record.real += 1
+    if record.depth == 0 and stack.dist is not None:
+        stack.dist.progress.phase = AFTER_STEP
 
 
 def _zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

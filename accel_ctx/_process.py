@@ -12,8 +12,18 @@ come: their next ``wait_for_everyone()`` (in debug mode, their next collective) 
 :class:`~accel_ctx.errors.DistributedError` naming the failed rank, the function and the
 exception, within moments. The failure is fatal to the job even if the failing rank catches the
 exception and goes on (it raises at that point too): handle recoverable errors inside the
-function. Code that fails under a plain ``if state().is_main_process:`` is not announced; the
-other ranks then wait ``distributed(timeout=...)`` and raise an error naming the missing rank.
+function. Code that fails under a plain ``if state().is_main_process:`` is not announced by
+itself, but the exception leaving ``distributed()`` is (and a collective the others wait in
+fails, naming this rank: see ``_blame``).
+
+Collectives inside rank-only code: while a decorated function runs on its chosen ranks (unless
+those are all the ranks), and while the first rank runs a ``main_process_first()`` block, the
+code is marked rank-only; every collective entry point (``gather`` & co., ``wait_for_everyone``,
+``save_state``/``load_state``/``save_model``, a backward that DDP would average) raises
+:class:`~accel_ctx.errors.DistributedError` there at once, naming the decorator: the other ranks
+would never join it. A forward with gradients there runs the model itself (DDP's forward
+collectives would hang too). ``with on_main_process() as here:`` blocks are not marked: their
+body runs on every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 import wrapt
 from typing_extensions import ParamSpec
 
-from . import _barrier, _debug, _state
+from . import _barrier, _blame, _debug, _state
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -72,10 +82,14 @@ class ProcessFilter:
     """
 
     def __init__(self, label: str, selects: Callable[[int, int, int, int], bool],
-                 rank: int | None = None) -> None:
+                 rank: int | None = None, who: str = "", everyone: Callable[[int, int], bool]
+                 | None = None) -> None:
         self.label = label
         self._selects = selects
         self._rank = rank  # on_process(rank): warn when the job has no such rank
+        self._who = who  # "only rank 0 runs it", for errors about collectives inside
+        # (world, local world) -> whether every rank is selected (then nothing is rank-only)
+        self._everyone = everyone or (lambda w, lw: w == 1)
 
     def selected(self) -> bool:
         """Whether this process is one of the named ranks, now."""
@@ -102,6 +116,7 @@ class ProcessFilter:
             )
         where = f"in {fn.__qualname__}() (run by {self.label} on that rank only)"
         warned: list[bool] = []
+        rank_only = _state.RankOnly(f"{self.label} (in {fn.__qualname__}())", self._who)
         is_coroutine = inspect.iscoroutinefunction(fn)
 
         def run(wrapped: Callable[..., Any], instance: Any, args: Any, kwargs: Any) -> Any:
@@ -118,11 +133,17 @@ class ProcessFilter:
                 return _skipped() if is_coroutine else None
             if is_coroutine:
                 return _guarded(wrapped(*args, **kwargs), where)
+            mark = None
+            if not self._everyone(world, local_world):  # collectives inside would hang
+                mark = _state.enter_rank_only(rank_only)
             try:
                 return wrapped(*args, **kwargs)
             except BaseException as exc:
                 _announce(where, exc)
                 raise
+            finally:
+                if mark is not None:
+                    _state.leave_rank_only(mark)
 
         return cast(Callable[P, Any], wrapt.FunctionWrapper(fn, run))
 
@@ -180,7 +201,8 @@ def on_main_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None
         'loss 0.50'
     """
     _check_decorated("on_main_process", fn)
-    selector = ProcessFilter("@on_main_process", lambda r, w, lr, lw: r == 0)
+    selector = ProcessFilter("@on_main_process", lambda r, w, lr, lw: r == 0,
+                             who="only rank 0 runs it")
     return selector if fn is None else selector(fn)
 
 
@@ -209,7 +231,9 @@ def on_local_main_process(
         'ready'
     """
     _check_decorated("on_local_main_process", fn)
-    selector = ProcessFilter("@on_local_main_process", lambda r, w, lr, lw: lr == 0)
+    selector = ProcessFilter("@on_local_main_process", lambda r, w, lr, lw: lr == 0,
+                             who="only the first process of each machine runs it",
+                             everyone=lambda w, lw: lw == 1)
     return selector if fn is None else selector(fn)
 
 
@@ -235,7 +259,8 @@ def on_last_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None
         'last'
     """
     _check_decorated("on_last_process", fn)
-    selector = ProcessFilter("@on_last_process", lambda r, w, lr, lw: r == w - 1)
+    selector = ProcessFilter("@on_last_process", lambda r, w, lr, lw: r == w - 1,
+                             who="only the last rank runs it")
     return selector if fn is None else selector(fn)
 
 
@@ -257,7 +282,8 @@ def on_process(rank: int) -> ProcessFilter:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
         hint = " (write @on_process(1), with the rank)" if callable(rank) else ""
         raise ConfigurationError(f"on_process(rank={rank!r}): give a rank >= 0{hint}.")
-    return ProcessFilter(f"@on_process({rank})", lambda r, w, lr, lw: r == rank, rank)
+    return ProcessFilter(f"@on_process({rank})", lambda r, w, lr, lw: r == rank, rank,
+                         who=f"only rank {rank} runs it")
 
 
 def wait_for_everyone() -> None:
@@ -266,7 +292,10 @@ def wait_for_everyone() -> None:
     Unlike ``dist.barrier()`` it knows about failures: when a rank failed in rank-only code
     (``@on_main_process`` & co., ``main_process_first()``), every rank raises
     :class:`~accel_ctx.errors.DistributedError` here naming that rank, instead of waiting for it
-    until the timeout. A rank that never arrives is named after ``distributed(timeout=...)``.
+    until the timeout; a rank that left ``distributed()`` is named at once too. A rank that
+    never arrives is named after ``distributed(timeout=...)``, with where it last was. Called
+    inside rank-only code (``@on_main_process`` & co.) it raises at once: the other ranks would
+    never arrive.
 
     Example:
         >>> from accel_ctx import distributed, wait_for_everyone
@@ -275,6 +304,7 @@ def wait_for_everyone() -> None:
     """
     runtime, _, world, _, _ = _position()
     if runtime is not None and world > 1:
+        _blame.refuse_rank_only("wait_for_everyone()", "it")
         _debug.barrier(runtime, "wait_for_everyone()")
 
 
@@ -302,12 +332,21 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
         return
     label = f"main_process_first({'local=True' if local else ''})"
     first = (local_rank if local else rank) == 0
+    _blame.refuse_rank_only(label, "its two waits")
     if not first:
         _debug.barrier(runtime, label)
+    mark = None
+    if first:  # the others wait at the start of the block: a collective inside would hang
+        mark = _state.enter_rank_only(_state.RankOnly(label, (
+            "the first process of each machine runs the block" if local else "rank 0 runs the block"
+        ) + " while the other ranks wait for it to finish"))
     try:
         yield
     except BaseException as exc:
         _announce(f"inside {label}" + (", which the other ranks wait for" if first else ""), exc)
         raise
+    finally:
+        if mark is not None:
+            _state.leave_rank_only(mark)
     if first:
         _debug.barrier(runtime, label)

@@ -145,6 +145,35 @@ def reset(token: Token[Stack | None]) -> None:
     _STACK.reset(token)
 
 
+# What runs on some ranks only, now (``@on_main_process`` & co., the first rank's turn in
+# ``main_process_first()``): a description such as "@on_main_process (in report())", set while
+# it runs on the chosen ranks, read by every collective entry point (one ContextVar read).
+_RANK_ONLY: ContextVar[RankOnly | None] = ContextVar("accel_ctx_rank_only", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class RankOnly:
+    """Code running on some ranks only: who it is and which ranks run it."""
+
+    label: str
+    """"@on_main_process (in report())", "main_process_first()"."""
+    who: str
+    """"only rank 0 runs it"."""
+
+
+def rank_only() -> RankOnly | None:
+    """The rank-only code running in this context, if any."""
+    return _RANK_ONLY.get()
+
+
+def enter_rank_only(mark: RankOnly) -> Token[RankOnly | None]:
+    return _RANK_ONLY.set(mark)
+
+
+def leave_rank_only(token: Token[RankOnly | None]) -> None:
+    _RANK_ONLY.reset(token)
+
+
 # --------------------------------------------------------------------------------------------
 # the session: mutable bookkeeping shared by the nested scopes of one outermost entry
 # --------------------------------------------------------------------------------------------

@@ -201,6 +201,16 @@ def _quiet_signal_shutdown() -> Iterator[None]:
 def describe_failure(exc: Any, max_restarts: int) -> str:
     """torchrun's failure table, then one line naming the rank that failed first and why."""
     rank, failure = exc.get_first_failure()
+    from ._blame import culprit_of
+
+    for failed_rank, failed in sorted(exc.failures.items()):
+        blame = culprit_of(failed.error_file_data)  # a rank that named another one's fault
+        if blame is not None and blame[0] != failed_rank:
+            return (
+                f"{exc.format_msg()}\naccel-ctx launch: rank {blame[0]} caused the failure "
+                f"(named by rank {failed_rank}, which exited with code {failed.exitcode}): "
+                f"{blame[1]}\nThe job stopped every rank."
+            )
     if failure.exitcode < 0:
         how = f"was killed by signal {failure.signal_name()}"
     else:

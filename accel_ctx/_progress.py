@@ -1,0 +1,241 @@
+"""Where each rank is: its last progress, published where the other ranks can read it.
+
+The training hot path only sets attributes of a :class:`Progress` (the step, the phase: forward,
+backward, optimizer step, a collective's name). A daemon heartbeat thread, started by
+``distributed()`` when the job has several processes and stopped when it exits, publishes them
+to the rendezvous store about once a second, with the line the main thread is running and a
+beat counter; leaving the scope publishes a last record saying "left" or "failed". When a
+collective fails, ``_blame`` reads these records to name the rank that stopped and where.
+No store operation ever runs on the training thread per step.
+
+Key (under the process group's sync prefix of ``_barrier``): ``<prefix>/progress/<rank>``, a
+JSON object ``{step, seq, phase, where, beat, pid, host, state, detail, blames}``; ``state`` is
+"running", "left" or "failed"; ``blames`` the ranks a failed rank found responsible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import sys
+import threading
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from ._distributed import DistributedRuntime
+
+INTERVAL_S = 1.0
+FORWARD, AFTER_FORWARD = "forward", "after forward"
+BACKWARD, AFTER_BACKWARD = "backward", "after backward"
+STEP, AFTER_STEP = "optimizer step", "after optimizer step"
+RUNNING, LEFT, FAILED = "running", "left", "failed"
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+_SKIPPED = (_PACKAGE_DIR, _TORCH_DIR)
+# the standard library too: a wait in pathlib, threading or queue shows the caller's line
+_STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
+
+
+class Progress:
+    """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
+
+    __slots__ = ("armed", "blames", "detail", "phase", "seq", "state", "step")
+
+    def __init__(self) -> None:
+        self.step = 0  # optimizer steps taken (state().step)
+        self.seq = 0  # phases entered since that step began (orders ranks within a step)
+        self.phase = "before any forward"
+        # a forward ran through a DDP engine (or, in rank-only code, a model DDP trains) and
+        # its backward has not run yet: a backward in rank-only code would need every rank
+        self.armed = False
+        self.state = RUNNING
+        self.detail = ""
+        self.blames: list[int] = []
+
+    def enter(self, phase: str) -> None:
+        self.seq += 1
+        self.phase = phase
+
+    def position(self) -> tuple[int, int]:
+        return self.step, self.seq
+
+    def describe(self) -> str:
+        """"step 5, in forward" / "step 5, after optimizer step"."""
+        return f"step {self.step}, {_phase(self.phase)}"
+
+
+def describe(record: dict[str, Any]) -> str:
+    """A published record's position: "step 5, in forward (at train.py:42 in loss_fn)"."""
+    text = f"step {record.get('step', '?')}, {_phase(str(record.get('phase', '?')))}"
+    where = record.get("where")
+    return f"{text} (at {where})" if where else text
+
+
+def _phase(phase: str) -> str:
+    return phase if phase.startswith(("after ", "before ")) else f"in {phase}"
+
+
+def _is_users(filename: str) -> bool:
+    if filename.startswith("<") or "/wrapt/" in filename:
+        return False
+    path = os.path.abspath(filename)
+    if path.startswith(_SKIPPED):
+        return False
+    return not path.startswith(_STDLIB) or "-packages" in path
+
+
+def _user_line(frame: Any) -> str:
+    """The innermost frame outside accel_ctx, torch, wrapt and the standard library."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _is_users(filename):
+            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
+class Heartbeat:
+    """Publishes one rank's :class:`Progress` to the store every ``INTERVAL_S`` seconds."""
+
+    def __init__(self, runtime: DistributedRuntime, store: Store, key: str) -> None:
+        self.progress = runtime.progress
+        self.key = key
+        self.store = store
+        self.thread_id = threading.get_ident()  # the training thread, whose line is shown
+        self.beat = 0
+        self.pid = os.getpid()
+        self.host = machine()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        # A store client of its own: a TCPStore connection is held for the whole of a wait()
+        # (a barrier on the training thread), which would stall the heartbeat.
+        try:
+            self._own: Store = store.clone()  # type: ignore[attr-defined]
+        except Exception:
+            self._own = store
+        self._thread = threading.Thread(
+            target=self._run, name=f"accel-ctx-heartbeat-rank{runtime.rank}", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def record(self) -> dict[str, Any]:
+        p = self.progress
+        frame = sys._current_frames().get(self.thread_id)
+        self.beat += 1
+        return {"step": p.step, "seq": p.seq, "phase": p.phase, "where": _user_line(frame),
+                "beat": self.beat, "pid": self.pid, "host": self.host, "state": p.state,
+                "detail": p.detail, "blames": list(p.blames)}
+
+    def publish(self, store: Store | None = None) -> None:
+        """Write the record now (never raises: a lost store only loses the information)."""
+        with self._lock, contextlib.suppress(Exception):
+            (store or self._own).set(self.key, json.dumps(self.record()))
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.publish()
+            self._stop.wait(INTERVAL_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(5.0)
+
+
+def read(store: Store, prefix: str, world: int) -> dict[int, dict[str, Any]]:
+    """Every rank's published record that exists (a rank that never published is left out)."""
+    keys = [f"{prefix}/progress/{r}" for r in range(world)]
+    out: dict[int, dict[str, Any]] = {}
+    present = [r for r in range(world) if store.check([keys[r]])]
+    if not present:
+        return out
+    for r, raw in zip(present, store.multi_get([keys[r] for r in present]), strict=True):
+        with contextlib.suppress(ValueError):
+            out[r] = json.loads(raw.decode())
+    return out
+
+
+_machine: list[str] = []
+
+
+def machine() -> str:
+    """This machine and pid namespace: host name, boot id and pid-namespace inode."""
+    if not _machine:
+        parts = [socket.gethostname()]
+        with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        with contextlib.suppress(OSError):
+            parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+        _machine.append("/".join(parts))
+    return _machine[0]
+
+
+def process_gone(record: dict[str, Any]) -> bool:
+    """Whether a record's process is known to have died (same host only: /proc or kill 0)."""
+    if record.get("host") != machine():
+        return False
+    pid = int(record.get("pid", 0))
+    if pid <= 0:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def watch(runtime: DistributedRuntime, exits: ExitStack) -> None:
+    """For a base runtime: start its heartbeat (several processes) and announce its exit."""
+
+    def announce_exit(exc_type: type[BaseException] | None, exc: BaseException | None,
+                      tb: object) -> bool:
+        """Leaving, by an exception or not: the other ranks' next sync point fails at once,
+        naming this rank, and its last record says "left" or "failed" (see ``_blame``)."""
+        beat, runtime.heartbeat = runtime.heartbeat, None
+        if beat is not None:
+            beat.stop()
+        if runtime.world_size == 1 or not dist.is_initialized():
+            return False
+        from ._barrier import announce_failure
+
+        progress = runtime.progress
+        where = progress.describe()
+        if exc is None:
+            progress.state = LEFT
+            announce_failure(runtime, f"rank {runtime.rank} left distributed() at {where}", "left")
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            if progress.state != FAILED:  # not already failed naming someone else (_blame)
+                progress.state, progress.detail = FAILED, text[:500]
+            announce_failure(
+                runtime, f"rank {runtime.rank} left distributed() with {text} at {where}")
+        if beat is not None:
+            beat.publish(dist.distributed_c10d._get_default_store())
+        return False
+
+    exits.push(announce_exit)
+    if runtime.world_size > 1 and dist.is_initialized():
+        from ._barrier import store_and_prefix
+
+        store, prefix = store_and_prefix(runtime)
+        runtime.heartbeat = Heartbeat(runtime, store, f"{prefix}/progress/{runtime.rank}")
+        runtime.heartbeat.start()

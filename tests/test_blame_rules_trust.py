@@ -1,0 +1,119 @@
+"""The blame rules and the launchers' summaries, without processes: records in, verdict out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+from accel_ctx import _blame, _progress
+from accel_ctx.cli import describe_failure
+from accel_ctx.errors import DistributedError
+
+
+def _record(step: int, seq: int, phase: str, state: str = "running", **extra) -> dict:
+    return {"step": step, "seq": seq, "phase": phase, "where": "train.py:7 in loop",
+            "beat": 3, "pid": os.getpid(), "host": _progress.machine(), "state": state,
+            "detail": "", "blames": [], **extra}
+
+
+def _me(step: int, seq: int, phase: str) -> _progress.Progress:
+    progress = _progress.Progress()
+    progress.step, progress.seq, progress.phase = step, seq, phase
+    return progress
+
+
+def test_the_rank_behind_is_the_one_that_stopped_answering():
+    records = {0: _record(5, 2, "backward"), 1: _record(5, 1, "forward"),
+               2: _record(5, 2, "backward")}
+    culprits, summary, _ = _blame._culprits(records, 0, _me(5, 2, "backward"), "backward", True)
+    assert culprits == [1]
+    assert summary == ("rank 1 stopped answering at step 5, in forward (at train.py:7 in loop); "
+                       "rank 0 timed out waiting for it in backward")
+
+
+def test_an_earlier_step_counts_before_the_phase():
+    records = {0: _record(6, 1, "forward"), 1: _record(5, 3, "after optimizer step")}
+    culprits, summary, _ = _blame._culprits(records, 0, _me(6, 1, "forward"), "forward", False)
+    assert culprits == [1] and "at step 5, after optimizer step" in summary
+    assert "lost the connection to it in forward" in summary
+
+
+def test_no_rank_behind_gives_no_culprit():
+    records = {0: _record(5, 2, "backward"), 1: _record(5, 2, "gather()")}
+    assert _blame._culprits(records, 0, _me(5, 2, "backward"), "backward", True) is None
+
+
+def test_a_rank_that_left_or_failed_comes_first():
+    records = {0: _record(5, 2, "backward"), 1: _record(5, 1, "forward"),
+               2: _record(4, 0, "after optimizer step", state="left")}
+    culprits, summary, _ = _blame._culprits(records, 0, _me(5, 2, "backward"), "backward", False)
+    assert culprits == [2] and summary.startswith("rank 2 left distributed() at step 4")
+    records[1] = _record(5, 1, "forward", state="failed", detail="ValueError: boom")
+    culprits, summary, _ = _blame._culprits(records, 0, _me(5, 2, "backward"), "backward", False)
+    assert culprits == [1] and "rank 1 failed at step 5, in forward" in summary
+    assert "ValueError: boom" in summary
+
+
+def test_the_rank_a_failed_rank_blamed_is_named_also_when_it_is_this_one():
+    records = {0: _record(5, 2, "backward", state="failed", blames=[1],
+                          detail="rank 1 stopped answering at step 5, in forward"),
+               1: _record(5, 1, "forward"), 2: _record(5, 2, "backward")}
+    culprits, summary, _ = _blame._culprits(records, 2, _me(5, 2, "backward"), "backward", False)
+    assert culprits == [1] and summary.endswith("(reported by rank 0)")
+    culprits, summary, _ = _blame._culprits(records, 1, _me(5, 1, "forward"), "backward", False)
+    assert culprits == [1] and summary.startswith("rank 0 gave up waiting for this rank")
+
+
+def test_a_rank_whose_process_is_gone_is_named():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()  # reaped: its pid is gone
+    records = {0: _record(5, 2, "backward"), 1: _record(5, 2, "backward", pid=child.pid)}
+    assert _progress.process_gone(records[1]) and not _progress.process_gone(records[0])
+    culprits, summary, _ = _blame._culprits(records, 0, _me(5, 2, "backward"), "backward", False)
+    assert culprits == [1] and summary.startswith("rank 1's process died (last seen at step 5")
+
+
+def test_only_communication_failures_are_reinterpreted():
+    assert _blame.looks_distributed(RuntimeError("[gloo] Connection closed by peer"))
+    assert _blame.looks_distributed(RuntimeError("Timed out waiting 6000ms for recv"))
+    assert not _blame.looks_distributed(RuntimeError("element 0 of tensors does not require grad"))
+    assert not _blame.looks_distributed(ValueError("gloo"))
+    assert not _blame.looks_distributed(DistributedError("rank 1 timed out"))
+
+
+def test_accel_ctx_launch_names_the_culprit_from_the_error_file(tmp_path, monkeypatch):
+    files = {r: tmp_path / f"error{r}.json" for r in (0, 1)}
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[0]))
+    error = DistributedError("rank 0: rank 1 stopped answering at step 5, in forward")
+    _blame.write_error_file(error, 1, RuntimeError("Timed out"))
+    saved = json.loads(files[0].read_text())
+    assert saved["message"]["extraInfo"][_blame.CULPRIT_KEY] == 1
+    failures = {0: ProcessFailure(0, 100, 1, str(files[0])),
+                1: ProcessFailure(1, 101, -9, str(files[1]))}  # killed by the launcher after
+    text = describe_failure(ChildFailedError("train.py", failures), 0)
+    assert "accel-ctx launch: rank 1 caused the failure (named by rank 0" in text
+    assert "rank 1 stopped answering at step 5, in forward" in text
+    plain = describe_failure(ChildFailedError("train.py", {1: failures[1]}), 0)
+    assert "accel-ctx launch: rank 1 (local rank 1" in plain  # no accel_ctx error file
+
+
+def test_the_line_shown_is_the_users_not_the_standard_librarys():
+    import copy
+    import sys
+
+    seen: list[str] = []
+
+    class Probe:
+        def __deepcopy__(self, memo):
+            seen.append(_progress._user_line(sys._getframe(1)))  # copy.deepcopy's frame
+            return self
+
+    def caller() -> None:
+        copy.deepcopy(Probe())
+
+    caller()
+    assert seen == [f"test_blame_rules_trust.py:{caller.__code__.co_firstlineno + 1} in caller"]
