@@ -390,13 +390,34 @@ def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:
 
 
 def _managed_elsewhere(module: nn.Module) -> bool:
-    """Modules that torch's composable APIs (replicate, fully_shard) or DataParallel manage."""
+    """Modules that torch's composable APIs (replicate, fully_shard) or DataParallel manage.
+
+    Asked once per module, when accel_ctx first meets it: a model whose root or any part is
+    under a composable API keeps that engine and gets none of ours on top of it.
+    """
     if isinstance(module, nn.DataParallel):
         return True
-    registry = module.__dict__.get("__composable_api_registry")
-    if registry:
+    if composable_apis(module):
         return True
     return any(type(module).__name__.startswith(p) for p in ("FSDP", "FullyShardedDataParallel"))
+
+
+def composable_apis(module: nn.Module) -> list[str]:
+    """Names of torch composable APIs applied to ``module`` or its parts ('replicate', ...).
+
+    Read from torch's own registry (``torch.distributed._composable.contract._get_registry``),
+    where ``replicate()`` and ``fully_shard()`` record themselves on each module they manage.
+    """
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # a torch build without distributed: nothing can be applied
+        return []
+    names: list[str] = []
+    for sub in module.modules():
+        registry = _get_registry(sub)
+        if registry:
+            names.extend(name for name in registry if name not in names)
+    return names
 
 
 def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
