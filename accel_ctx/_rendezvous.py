@@ -183,8 +183,8 @@ def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
     world, rank = launch.world_size, launch.rank
     seen = store.compare_set("rdzv/world_size", "", str(world)).decode()
     if seen != str(world):
-        cause = (f"world size mismatch seen in the store: this rank was started with "
-                 f"WORLD_SIZE={world}, another rank with WORLD_SIZE={seen}")
+        cause = (f"world size mismatch seen in the store: rank {rank} was started with "
+                 f"WORLD_SIZE={world}, a rank before it with WORLD_SIZE={seen}")
         store.set("rdzv/problem", cause)
         raise waiter.fail(cause, "Start every rank of the job with the same WORLD_SIZE.")
     if store.add(f"rdzv/rank/{rank}", 1) > 1:

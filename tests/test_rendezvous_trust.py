@@ -42,7 +42,7 @@ def broken_jobs(tmp_path_factory):
             _env(1, 2, nobody),  # rank 0 never starts: nothing listens
         ]
         results = spawn(rendezvous_trust.enter, len(envs), tmp_path_factory.mktemp("rdzv"),
-                        TIMEOUT, env=lambda i: envs[i], timeout=90)
+                        TIMEOUT, env=lambda i: envs[i], timeout=150)
     return dict(zip(["mismatch0", "mismatch1", "held0", "held1", "alone0", "nobody1"],
                     results, strict=True))
 
