@@ -6,8 +6,9 @@ GradScaler, once per step, however often clipping is called), as torch's recipe 
 ``scaler.unscale_(opt)``: the inf/NaN check runs before clipping, so clipping can never turn an
 overflowed step into one that is applied. Gradients whose optimizer accel_ctx has not met yet
 (clipping before the first ``opt.step()``) are unscaled the same way, and their check counts
-for the optimizer that steps them. Under ``accumulate()`` nothing is clipped before the group's last micro-step: the call
-then returns the norm of the gradients accumulated so far and leaves them alone.
+for the optimizer that steps them. Under ``accumulate()`` nothing is clipped before the group's
+last micro-step: the call then returns the norm of the gradients accumulated so far and leaves
+them alone.
 """
 
 from __future__ import annotations
