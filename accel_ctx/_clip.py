@@ -2,10 +2,13 @@
 
 Inside a scope, ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` are routed here too,
 so an unchanged loop clips correctly. Under fp16 the gradients are unscaled first (through the
-GradScaler, once per step, however often clipping is called); gradients whose optimizer accel_ctx
-has not met yet are clipped in the scaled domain, which is exact because the scale is a power
-of two. Under ``accumulate()`` nothing is clipped before the group's last micro-step: the call
-then returns the norm of the gradients accumulated so far and leaves them alone.
+GradScaler, once per step, however often clipping is called), as torch's recipe does with
+``scaler.unscale_(opt)``: the inf/NaN check runs before clipping, so clipping can never turn an
+overflowed step into one that is applied. Gradients whose optimizer accel_ctx has not met yet
+(clipping before the first ``opt.step()``) are unscaled the same way, and their check counts
+for the optimizer that steps them. Under ``accumulate()`` nothing is clipped before the group's
+last micro-step: the call then returns the norm of the gradients accumulated so far and leaves
+them alone.
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ def _split_scaled(
         owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
         if owned & wanted and precision.unscale(optimizer):
             unscaled |= owned
+    # Gradients of an optimizer not met yet (clipping before its first step): unscaled now,
+    # checked for inf/NaN before they are clipped; that optimizer's step takes the result.
+    unknown = [p for p in params if p.grad is not None and id(p) not in unscaled]
+    if unknown and precision.unscale_params(unknown):
+        unscaled.update(id(p) for p in unknown)
     plain = [p.grad for p in params if p.grad is not None and id(p) in unscaled]
     scaled = [p.grad for p in params if p.grad is not None and id(p) not in unscaled]
     return plain, scaled, float(precision.scaler.get_scale())

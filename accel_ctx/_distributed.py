@@ -2,31 +2,35 @@
 
 from __future__ import annotations
 
-import difflib
 import gc
 import inspect
 import os
-import time
 import warnings
 import weakref
 from contextlib import ExitStack
-from dataclasses import dataclass, fields
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._C._distributed_c10d import PrefixStore, Store, TCPStore
-from torch.distributed.rendezvous import rendezvous
+from torch._C._distributed_c10d import PrefixStore, Store
 from typing_extensions import Unpack
 
-from . import _env, _state
+from . import _env, _rendezvous, _state
+from ._dist_options import (
+    DEFAULT_TIMEOUT,
+    DistributedOptions,
+    Options,
+    check_backend,
+    check_nested,
+    parse_options,
+    pick_backend,
+    pick_device,
+)
 from ._progress import Heartbeat, Progress, watch
 from ._scope import Scope
 from ._tree import to_device
 from .errors import (
-    ConfigurationError,
     DistributedError,
     LaunchEnvironmentError,
     RendezvousError,
@@ -35,90 +39,13 @@ from .errors import (
 if TYPE_CHECKING:
     from ._precision import PrecisionRuntime
 
-DEFAULT_TIMEOUT = timedelta(minutes=10)
 _BUFFER_SYNC_FLAG = (
     "forward_sync_buffers"
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
     else "broadcast_buffers"
 )
-
-
-@dataclass(frozen=True)
-class DistributedOptions:
-    """How ``distributed()`` sets up the job and wraps modules in DDP's machinery."""
-
-    backend: str | None = None
-    """``"gloo"``, ``"nccl"``, or None: NCCL (with gloo for CPU tensors) on CUDA, else gloo."""
-    device: str | None = None
-    """Force a device ("cpu", "cuda:1", ...); None picks cuda:LOCAL_RANK, else mps, else cpu."""
-    timeout: timedelta = DEFAULT_TIMEOUT
-    """How long rendezvous and each collective may wait before failing with an error."""
-    init_method: str | None = None
-    """A ``file://`` or ``tcp://`` rendezvous URL; None uses MASTER_ADDR/MASTER_PORT."""
-    find_unused_parameters: bool = False
-    """DDP: allow parameters that receive no gradient in some steps."""
-    static_graph: bool = False
-    """DDP: the set of used parameters never changes (enables optimisations)."""
-    broadcast_buffers: bool = True
-    """DDP: copy rank 0's buffers (e.g. BatchNorm statistics) to all ranks every forward."""
-    bucket_cap_mb: float | None = None
-    """DDP: gradient bucket size in MiB (None: DDP's default of 25)."""
-    gradient_as_bucket_view: bool = False
-    """DDP: let ``.grad`` alias the communication buckets (saves memory)."""
-    sync_batchnorm: bool = False
-    """Use SyncBatchNorm statistics across ranks for the scope (restored on exit)."""
-    even_batches: bool = True
-    """Pad the last round of batches by wrapping around so every rank gets as many batches."""
-    debug: bool = False
-    """Check collectives' shapes across ranks first (also on with ACCEL_CTX_DEBUG=1)."""
-
-
-class _Options(TypedDict, total=False):
-    backend: str | None
-    device: str | torch.device | None
-    timeout: timedelta | float
-    init_method: str | None
-    find_unused_parameters: bool
-    static_graph: bool
-    broadcast_buffers: bool
-    bucket_cap_mb: float | None
-    gradient_as_bucket_view: bool
-    sync_batchnorm: bool
-    even_batches: bool
-    debug: bool
-
-
-_OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
-
-
-def _parse_options(options: dict[str, Any]) -> DistributedOptions:
-    for name in options:
-        if name not in _OPTION_NAMES:
-            close = difflib.get_close_matches(name, _OPTION_NAMES, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigurationError(
-                f"distributed() got an unknown option {name!r}.{hint} Valid options: "
-                f"{', '.join(_OPTION_NAMES)}."
-            )
-    values = dict(options)
-    timeout = values.get("timeout", DEFAULT_TIMEOUT)
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ConfigurationError(
-            f"distributed(timeout={timeout!r}): give a positive number of seconds or a timedelta."
-        )
-    values["timeout"] = timeout
-    if values.get("device") is not None:
-        values["device"] = str(torch.device(values["device"]))
-    backend = values.get("backend")
-    if backend is not None and not isinstance(backend, str):
-        raise ConfigurationError(f"distributed(backend={backend!r}): give 'gloo' or 'nccl'.")
-    for flag in ("find_unused_parameters", "static_graph", "broadcast_buffers",
-                 "gradient_as_bucket_view", "sync_batchnorm", "even_batches", "debug"):
-        if flag in values and not isinstance(values[flag], bool):
-            raise ConfigurationError(f"distributed({flag}={values[flag]!r}): give True or False.")
-    return DistributedOptions(**values)
+# Re-exported: the options live with their checks in _dist_options.
+__all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distributed"]
 
 
 class distributed(Scope):
@@ -153,42 +80,18 @@ class distributed(Scope):
 
     concern = "distributed"
 
-    def __init__(self, **options: Unpack[_Options]) -> None:
+    def __init__(self, **options: Unpack[Options]) -> None:
         super().__init__()
-        self.options = _parse_options(dict(options))
+        self.options = parse_options(options)
 
     def _open(self, exits: ExitStack) -> DistributedRuntime:
         below = _state.current()
         if below is not None and below.dist is not None:
-            return DistributedRuntime.nested(below.dist, self.options)
+            outer = below.dist
+            check_nested(outer.device, outer.backend, outer.base.options, self.options)
+            return DistributedRuntime.nested(outer, self.options)
         runtime = DistributedRuntime.start(self.options, exits)
         return runtime
-
-
-def _pick_device(options: DistributedOptions, launch: _env.LaunchEnv) -> torch.device:
-    if options.device is not None:
-        return torch.device(options.device)
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if count == 1:  # one GPU per process (CUDA_VISIBLE_DEVICES / srun --gpus-per-task)
-            return torch.device("cuda", 0)
-        if launch.local_rank >= count:
-            raise LaunchEnvironmentError(
-                f"local rank {launch.local_rank} has no GPU of its own: this node has {count}. "
-                f"Start at most {count} processes per node, or pass distributed(device='cpu')."
-            )
-        return torch.device("cuda", launch.local_rank)
-    mps = getattr(torch.backends, "mps", None)
-    if launch.world_size == 1 and mps is not None and mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
-def _pick_backend(options: DistributedOptions, device: torch.device) -> str:
-    if options.backend is not None:
-        return options.backend
-    # NCCL for CUDA tensors, gloo beside it so CPU tensors (objects, RNG states) work too.
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def _store_key(launch: _env.LaunchEnv, options: DistributedOptions) -> tuple[str, int, int]:
@@ -197,48 +100,26 @@ def _store_key(launch: _env.LaunchEnv, options: DistributedOptions) -> tuple[str
     return (target, launch.rank, launch.world_size)
 
 
-def _rendezvous(launch: _env.LaunchEnv, options: DistributedOptions) -> Store:
-    cached: Store | None = _state.cached_store(_store_key(launch, options))
-    if cached is not None:
-        return cached
-    init_method = options.init_method or launch.init_method
-    timeout = options.timeout
-    store: Store
-    if init_method is not None:
-        store, _, _ = next(
-            rendezvous(init_method, launch.rank, launch.world_size, timeout=timeout)
-        )
-    else:
-        assert launch.master_addr is not None and launch.master_port is not None
-        store = TCPStore(
-            launch.master_addr,
-            launch.master_port,
-            launch.world_size,
-            is_master=launch.rank == 0 and not launch.use_agent_store,
-            timeout=timeout,
-            wait_for_workers=False,
-            multi_tenant=True,
-        )
-    return store
-
-
 def _init_process_group(
     launch: _env.LaunchEnv, options: DistributedOptions, backend: str, device: torch.device
 ) -> None:
-    where = (
-        f"rank {launch.rank} of {launch.world_size}"
-        f" ({launch.source}, rendezvous at "
-        f"{options.init_method or launch.init_method or f'{launch.master_addr}:{launch.master_port}'})"
-    )
+    """Reach the store, wait there for every rank (with progress lines), form the group."""
+    init_method = options.init_method or launch.init_method
+    address = _rendezvous.address_of(launch, init_method)
+    where = f"rank {launch.rank} of {launch.world_size} ({launch.source}, rendezvous at {address})"
     seconds = options.timeout.total_seconds()
-    _check_backend(backend)
-    started = time.monotonic()
+    check_backend(backend, device)
+    waiter = _rendezvous.Waiter(launch, address, options.timeout)
+    key = _store_key(launch, options)
     try:
-        base = _rendezvous(launch, options)
+        base: Store | None = _state.cached_store(key)
+        if base is None:
+            base = _rendezvous.connect(launch, init_method, options.timeout, waiter)
         # A fresh key prefix per process group: sequential scopes and elastic restarts reuse
         # the same store, and must not see each other's barrier counters.
         generation = _state.next_pg_generation()
         store = PrefixStore(f"accel_ctx/{launch.restart_count}/{generation}", base)
+        _rendezvous.await_peers(store, launch, waiter)
         dist.init_process_group(
             backend,
             store=store,
@@ -247,9 +128,11 @@ def _init_process_group(
             timeout=options.timeout,
         )
         # Kept for the process's next scopes only once a group formed with it.
-        _state.cache_store(_store_key(launch, options), base)
+        _state.cache_store(key, base)
+    except (RendezvousError, LaunchEnvironmentError):
+        raise
     except Exception as exc:
-        if time.monotonic() - started < 0.9 * seconds and "timeout" not in str(exc).lower():
+        if waiter.left() > 0.1 * seconds and "timeout" not in str(exc).lower():
             raise DistributedError(
                 f"{where}: the process group could not be set up: {exc}"
             ) from exc
@@ -258,20 +141,6 @@ def _init_process_group(
             f"all {launch.world_size} processes were started with the same MASTER_ADDR/"
             "MASTER_PORT and can reach rank 0; raise distributed(timeout=...) if start-up is slow."
         ) from exc
-
-
-def _check_backend(backend: str) -> None:
-    names = [part.split(":")[-1] for part in backend.split(",")]
-    available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-                 "mpi": dist.is_mpi_available()}
-    for name in names:
-        if not available.get(name, True):
-            usable = [n for n, ok in available.items() if ok]
-            raise ConfigurationError(
-                f"distributed(backend={backend!r}): this torch build has no {name} backend "
-                f"(available: {', '.join(usable) or 'none'}). Leave backend=None to pick one "
-                "that works on the device, or install a torch build with it."
-            )
 
 
 class DistributedRuntime:
@@ -316,12 +185,12 @@ class DistributedRuntime:
         if dist.is_available() and dist.is_initialized():
             # The user (or a library) already formed the group: use it, leave it to them.
             launch = _launch_from_group(launch)
-            device = _pick_device(options, launch)
+            device = pick_device(options, launch)
             backend = str(dist.get_backend())
         else:
-            device = _pick_device(options, launch)
+            device = pick_device(options, launch)
             if launch.is_distributed:
-                backend = _pick_backend(options, device)
+                backend = pick_backend(options, device)
                 _init_process_group(launch, options, backend, device)
                 exits.callback(dist.destroy_process_group)
         if device.type == "cuda":
@@ -519,13 +388,34 @@ def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:
 
 
 def _managed_elsewhere(module: nn.Module) -> bool:
-    """Modules that torch's composable APIs (replicate, fully_shard) or DataParallel manage."""
+    """Modules that torch's composable APIs (replicate, fully_shard) or DataParallel manage.
+
+    Asked once per module, when accel_ctx first meets it: a model whose root or any part is
+    under a composable API keeps that engine and gets none of ours on top of it.
+    """
     if isinstance(module, nn.DataParallel):
         return True
-    registry = module.__dict__.get("__composable_api_registry")
-    if registry:
+    if composable_apis(module):
         return True
     return any(type(module).__name__.startswith(p) for p in ("FSDP", "FullyShardedDataParallel"))
+
+
+def composable_apis(module: nn.Module) -> list[str]:
+    """Names of torch composable APIs applied to ``module`` or its parts ('replicate', ...).
+
+    Read from torch's own registry (``torch.distributed._composable.contract._get_registry``),
+    where ``replicate()`` and ``fully_shard()`` record themselves on each module they manage.
+    """
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # a torch build without distributed: nothing can be applied
+        return []
+    names: list[str] = []
+    for sub in module.modules():
+        registry = _get_registry(sub)
+        if registry:
+            names.extend(name for name in registry if name not in names)
+    return names
 
 
 def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

@@ -26,6 +26,19 @@ from .errors import ConfigurationError
 
 F = TypeVar("F")
 
+
+class _GradGroup:
+    """Parameters posing as an optimizer for ``GradScaler.unscale_`` (it reads param_groups).
+
+    Clipping can come before accel_ctx has met the optimizer that owns the gradients (a loop
+    whose first ``opt.step()`` follows the first clip): they are unscaled through the scaler
+    under this stand-in, so clipping sees unscaled gradients and the inf/NaN check happens
+    before clipping could hide an overflow.
+    """
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.param_groups = [{"params": params}]
+
 _DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
 _ALIASES = {
     "bfloat16": "bf16",
@@ -129,6 +142,8 @@ class PrecisionRuntime:
         self.scaler: torch.amp.GradScaler | None = None
         self.pending_update = False
         self.skipped_steps = 0
+        # Parameters unscaled before their optimizer was known (id -> the stand-in used).
+        self._early: dict[int, _GradGroup] = {}
         self._checked: set[str] = set()
         if device_type is not None:
             self._check(device_type)
@@ -155,6 +170,7 @@ class PrecisionRuntime:
         if self.dtype != torch.float16:
             return loss
         self.flush()
+        self._forget_early()
         if self.scaler is None:
             self.scaler = torch.amp.GradScaler(
                 loss.device.type,
@@ -178,8 +194,56 @@ class PrecisionRuntime:
             return False
         if state["stage"] is OptState.READY:
             assert self.scaler is not None
-            self.scaler.unscale_(optimizer)
+            if self._early and self._owns_early(optimizer):
+                self._unscale_rest(optimizer, state)
+            else:
+                self.scaler.unscale_(optimizer)
         return True
+
+    def unscale_params(self, params: list[torch.Tensor]) -> bool:
+        """Unscale the gradients of ``params``, whose optimizer is not known yet, once per step.
+
+        The overflow check runs here, before any clipping, and counts for the optimizer that
+        steps them (:meth:`unscale` merges it). False if nothing is scaled.
+        """
+        if self.scaler is None or not self.scaler.is_enabled():
+            return False
+        todo = [p for p in params if p.grad is not None and id(p) not in self._early]
+        if todo:
+            group = _GradGroup(todo)
+            self.scaler.unscale_(cast(Any, group))
+            self._early.update((id(p), group) for p in todo)
+        return True
+
+    def _owns_early(self, optimizer: torch.optim.Optimizer) -> bool:
+        return any(id(p) in self._early for g in optimizer.param_groups for p in g["params"])
+
+    def _unscale_rest(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Unscale what is left of ``optimizer``; its inf flags include the early unscaling's."""
+        assert self.scaler is not None
+        owned = [p for g in optimizer.param_groups for p in g["params"]]
+        groups = {id(g): g for g in (self._early.get(id(p)) for p in owned) if g is not None}
+        rest = [p for p in owned if id(p) not in self._early]
+        if rest:
+            group = _GradGroup(rest)
+            self.scaler.unscale_(cast(Any, group))
+            self._early.update((id(p), group) for p in rest)
+            groups[id(group)] = group
+        states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
+        found: dict[torch.device, torch.Tensor] = {}
+        for key in groups:
+            for device, flag in states[key]["found_inf_per_device"].items():
+                found[device] = found[device] + flag if device in found else flag.clone()
+        state["found_inf_per_device"] = found
+        state["stage"] = OptState.UNSCALED
+
+    def _forget_early(self) -> None:
+        """A new backward begins: early unscaling no step consumed counts for nothing."""
+        if self._early and self.scaler is not None:
+            states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
+            for key in {id(g) for g in self._early.values()}:
+                states.pop(key, None)
+        self._early.clear()
 
     def must_skip(self, optimizer: torch.optim.Optimizer) -> bool:
         """Unscale, look for inf/NaN; True when this step must be skipped (fp16 overflow)."""
@@ -196,6 +260,7 @@ class PrecisionRuntime:
         if self.pending_update and self.scaler is not None:
             self.pending_update = False
             self.scaler.update()
+            self._early.clear()
 
     def loss_scale(self) -> float | None:
         if self.scaler is None:

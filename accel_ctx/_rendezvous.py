@@ -1,0 +1,222 @@
+"""Rendezvous that never waits in silence: progress lines while waiting, a named cause at the end.
+
+Each rank reaches the rendezvous store (rank 0 serves it for ``env://``/``tcp://``), then waits
+in the store until every rank arrived before the process group forms. While it waits it logs,
+on the ``accel_ctx`` logger at WARNING (stderr when logging is not configured), a line every
+``ACCEL_CTX_RDZV_PROGRESS_S`` seconds (default 30)::
+
+    rank 1 of 2 waiting for the rendezvous at 127.0.0.1:29500: 1 of 2 arrived, 30 s
+
+and it ends within the timeout with the likely cause: the port held by another program, ranks
+started with different world sizes, two processes with the same rank, the address unreachable,
+or the ranks that never arrived. All of it happens once per process group, never per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlparse
+
+from torch._C._distributed_c10d import Store, TCPStore
+from torch.distributed.rendezvous import rendezvous as _torch_rendezvous
+
+from . import _env
+from .errors import LaunchEnvironmentError, RendezvousError
+
+PROGRESS_VAR = "ACCEL_CTX_RDZV_PROGRESS_S"
+_log = logging.getLogger("accel_ctx")
+_MAX_NAMED = 32  # ranks named in a message; larger jobs get counts
+
+
+def progress_interval() -> float:
+    """Seconds between progress lines (``ACCEL_CTX_RDZV_PROGRESS_S``, default 30)."""
+    raw = os.environ.get(PROGRESS_VAR, "")
+    try:
+        value = float(raw) if raw else 30.0
+    except ValueError:
+        value = 30.0
+    return value if value > 0 else 30.0
+
+
+class Waiter:
+    """Deadline and progress lines of one rendezvous."""
+
+    def __init__(self, launch: _env.LaunchEnv, address: str, timeout: timedelta) -> None:
+        self.who = f"rank {launch.rank} of {launch.world_size}"
+        self.source = launch.source
+        self.address = address
+        self.timeout = timeout.total_seconds()
+        self.start = time.monotonic()
+        self.deadline = self.start + self.timeout
+        self.interval = progress_interval()
+        self.next_line = self.start + self.interval
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def poll_s(self) -> float:
+        return max(0.05, min(1.0, self.interval, self.left()))
+
+    def tick(self, status: str) -> None:
+        now = time.monotonic()
+        if now >= self.next_line:
+            self.next_line = now + self.interval
+            _log.warning(
+                "%s waiting for the rendezvous at %s: %s, %.0f s",
+                self.who, self.address, status, now - self.start,
+            )
+
+    def fail(self, cause: str, fix: str) -> RendezvousError:
+        return RendezvousError(
+            f"{self.who} ({self.source}): the rendezvous at {self.address} did not complete: "
+            f"{cause}. {fix}"
+        )
+
+
+def _host_port(launch: _env.LaunchEnv, init_method: str | None) -> tuple[str, int] | None:
+    """Where rank 0's TCPStore is (tcp:// or env://), or None for other rendezvous kinds."""
+    if init_method is None or init_method.startswith("env://"):
+        if launch.master_addr is None or launch.master_port is None:
+            raise LaunchEnvironmentError(
+                f"rank {launch.rank} of {launch.world_size}: MASTER_ADDR and MASTER_PORT must "
+                "be set for the rendezvous (the launcher sets them); or pass "
+                "distributed(init_method='file:///shared/path')."
+            )
+        return launch.master_addr, launch.master_port
+    if init_method.startswith("tcp://"):
+        url = urlparse(init_method)
+        if url.hostname is None or url.port is None:
+            raise LaunchEnvironmentError(
+                f"init_method {init_method!r} names no host:port; write tcp://HOST:PORT."
+            )
+        return url.hostname, url.port
+    return None
+
+
+def address_of(launch: _env.LaunchEnv, init_method: str | None) -> str:
+    """The rendezvous address as messages show it (host:port, or the URL)."""
+    if init_method is None or init_method.startswith("env://"):
+        return f"{launch.master_addr}:{launch.master_port}"
+    if init_method.startswith("tcp://"):
+        return urlparse(init_method).netloc
+    return init_method
+
+
+def connect(launch: _env.LaunchEnv, init_method: str | None, timeout: timedelta,
+            waiter: Waiter) -> Store:
+    """The rendezvous store, reached within the timeout with progress lines while connecting."""
+    hp = _host_port(launch, init_method)
+    if hp is None:
+        assert init_method is not None
+        store: Store = next(
+            _torch_rendezvous(init_method, launch.rank, launch.world_size, timeout=timeout)
+        )[0]
+        return store
+    host, port = hp
+    if launch.rank == 0 and not launch.use_agent_store:
+        try:
+            return TCPStore(host, port, launch.world_size, is_master=True, timeout=timeout,
+                            wait_for_workers=False, multi_tenant=True)
+        except Exception as exc:
+            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
+                raise waiter.fail(
+                    f"port {port} is held by another program, so rank 0 cannot serve the "
+                    "rendezvous store there (address already in use)",
+                    "Free the port, or start the job on another one (MASTER_PORT, "
+                    "`accel-ctx launch --master-port`).",
+                ) from exc
+            raise waiter.fail(f"rank 0 could not serve the rendezvous store ({exc})",
+                              "Check MASTER_ADDR names an address of this host.") from exc
+    return _connect_client(host, port, launch, timeout, waiter)
+
+
+def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
+                    waiter: Waiter) -> Store:
+    # TCPStore's constructor can block past its timeout (a listener that never answers), so it
+    # runs in a daemon thread while this one reports progress and keeps the deadline.
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(TCPStore(host, port, launch.world_size, is_master=False,
+                                   timeout=timeout, wait_for_workers=False))
+        except Exception as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=run, name="accel_ctx-rendezvous", daemon=True)
+    thread.start()
+    while not result and waiter.left() > 0:
+        thread.join(waiter.poll_s())
+        waiter.tick("connecting to rank 0's store")
+    if result and not isinstance(result[0], BaseException):
+        store: Store = result[0]
+        return store
+    cause = _diagnose(host, port)
+    raise waiter.fail(cause, (
+        f"Start rank 0 first or together with the others, and check that MASTER_ADDR/"
+        f"MASTER_PORT ({host}:{port}) is rank 0's address and reachable from this host; "
+        "raise distributed(timeout=...) if start-up is slow."
+    )) from (result[0] if result else None)
+
+
+def _diagnose(host: str, port: int) -> str:
+    """Why no store answered at host:port: nothing listens, or something else holds the port."""
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            pass
+    except ConnectionRefusedError:
+        return f"nothing listens at {host}:{port} (rank 0 not started, or the port is wrong)"
+    except OSError as exc:
+        return f"the address {host}:{port} is unreachable from this host ({exc})"
+    return (f"something accepts connections at {host}:{port} but it is not a rendezvous store: "
+            "the port is likely held by another program")
+
+
+def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
+    """Wait in ``store`` until all ranks arrived; fail fast on a world-size or rank clash."""
+    world, rank = launch.world_size, launch.rank
+    seen = store.compare_set("rdzv/world_size", "", str(world)).decode()
+    if seen != str(world):
+        cause = (f"world size mismatch seen in the store: rank {rank} was started with "
+                 f"WORLD_SIZE={world}, a rank before it with WORLD_SIZE={seen}")
+        store.set("rdzv/problem", cause)
+        raise waiter.fail(cause, "Start every rank of the job with the same WORLD_SIZE.")
+    if store.add(f"rdzv/rank/{rank}", 1) > 1:
+        cause = f"two processes were started with RANK={rank}"
+        store.set("rdzv/problem", cause)
+        raise waiter.fail(cause, "Give every process its own RANK from 0 to WORLD_SIZE-1.")
+    arrived = store.add("rdzv/arrived", 1)
+    if arrived >= world:
+        store.set("rdzv/all", "1")
+    while True:
+        try:
+            store.wait(["rdzv/all"], timedelta(seconds=waiter.poll_s()))
+            return
+        except Exception:  # a poll that timed out: look for problems, report, wait again
+            pass
+        if store.check(["rdzv/problem"]):
+            cause = store.get("rdzv/problem").decode()
+            raise waiter.fail(f"another rank reports: {cause}",
+                              "Start every rank of the job with the same settings.")
+        arrived = store.add("rdzv/arrived", 0)
+        if waiter.left() <= 0:
+            missing = _missing(store, world)
+            raise waiter.fail(
+                f"{arrived} of {world} processes arrived within {waiter.timeout:g} s; {missing}",
+                f"Start all {world} processes (WORLD_SIZE={world}) with the same rendezvous "
+                "address, or raise distributed(timeout=...) if start-up is slow.",
+            )
+        waiter.tick(f"{arrived} of {world} arrived")
+
+
+def _missing(store: Store, world: int) -> str:
+    if world > _MAX_NAMED:
+        return "some ranks never arrived"
+    missing = [r for r in range(world) if not store.check([f"rdzv/rank/{r}"])]
+    return f"rank(s) {missing} never arrived"
