@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from ._precision import PrecisionRuntime
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
+_LAST_FORWARD = "_accel_ctx_last_forward"  # see _join.LAST_FORWARD
 _BUFFER_SYNC_FLAG = (
     "forward_sync_buffers"
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
@@ -301,6 +302,10 @@ class DistributedRuntime:
         self._warned_batchnorm = False
         self._replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
         self._parts_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        # DDP forwards with gradients so far (numbers them for _join), and the refusal a
+        # forward gets in an uneven last round that no Join covers (even_batches=False)
+        self.ddp_forwards = 0
+        self.uneven_tail: str | None = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -355,10 +360,21 @@ class DistributedRuntime:
             return module, None
         if not grad:
             return module, None
+        base = self.base
+        if base.uneven_tail is not None and (record.engine or (
+            record.engine is None and any(p.requires_grad for p in module.parameters())
+        )):
+            from ._join import refuse_forward
+
+            refuse_forward(base)
         if record.engine is None:  # decided once, at the first call that records gradients
             record.engine = self._engine_for(module) or False
         engine = record.engine
-        return (engine, engine) if engine else (module, None)
+        if not engine:
+            return module, None
+        base.ddp_forwards += 1
+        engine.__dict__[_LAST_FORWARD] = base.ddp_forwards
+        return engine, engine
 
     def _adopt(self, module: nn.Module) -> _state.ModuleRecord:
         base = self.base
