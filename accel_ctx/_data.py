@@ -252,7 +252,7 @@ class ScopedIterator:
         uneven = runtime is not None and plan.world > 1 and not plan.even and not plan.drop
         self._tail = UnevenTail(runtime) if uneven else None
         group_length = plan.full_rounds(total) if uneven and total is not None else length
-        self._iteration = _state.LoaderIteration(group_length)
+        self._iteration = _state.LoaderIteration(group_length, self._tail)
         self._pending: Any = _EMPTY
         self._registered = False
         self._exhausted = False

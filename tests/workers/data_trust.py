@@ -26,7 +26,15 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from accel_ctx import accumulate, distributed, load_state, save_state, state, wait_for_everyone
+from accel_ctx import (
+    accumulate,
+    distributed,
+    gather_for_metrics,
+    load_state,
+    save_state,
+    state,
+    wait_for_everyone,
+)
 from accel_ctx.errors import AccelCtxError
 
 from .common import MLP, LoggingDataset, by_hand, make_data, params
@@ -252,7 +260,8 @@ def _unreachable(make: Callable[[], DataLoader[Any]]) -> dict[str, Any]:
 
 
 # ---- point 11: even_batches=False with training --------------------------------------------------
-def _train_uneven(loader: DataLoader[Any], epochs: int) -> dict[str, torch.Tensor]:
+def _train_uneven(loader: DataLoader[Any], epochs: int, gathered: list[Any] | None = None
+                  ) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -261,6 +270,8 @@ def _train_uneven(loader: DataLoader[Any], epochs: int) -> dict[str, torch.Tenso
             F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
+            if gathered is not None:  # metrics gathered in the training loop
+                gathered += gather_for_metrics(y).tolist()
     return params(model)
 
 
@@ -306,6 +317,19 @@ def uneven(batch: int, n: int) -> dict[str, Any]:
                 seen += x.shape[0]
         torch.distributed.all_reduce(seen)
         out["eval_seen"] = int(seen)
+        # evaluation with gather_for_metrics: nothing padded, every sample once (on rank 0)
+        ids: list[int] = []
+        names: list[str] = []
+        with torch.no_grad():
+            for i, _ in DataLoader(LoggingDataset(n), batch_size=batch):
+                ids += gather_for_metrics(i).tolist()
+                names += gather_for_metrics([f"s{int(k)}" for k in i])
+        out["gathered"], out["gathered_names"] = ids, names
+        targets: list[int] = []
+        torch.manual_seed(3)
+        out["trained_gathering"] = _guard(lambda: _train_uneven(
+            DataLoader(data, batch_size=batch, shuffle=True), 2, targets))
+        out["trained_gathered"] = targets
     with distributed(timeout=TIMEOUT, even_batches=False), accumulate(2):
         out["accumulated"] = _guard(lambda: _train_uneven(DataLoader(data, batch_size=batch), 1))
         out["accumulated_steps"] = state().step
