@@ -333,8 +333,10 @@ def uneven(batch: int, n: int) -> dict[str, Any]:
     with distributed(timeout=TIMEOUT, even_batches=False), accumulate(2):
         out["accumulated"] = _guard(lambda: _train_uneven(DataLoader(data, batch_size=batch), 1))
         out["accumulated_steps"] = state().step
-    out["two_models"] = _guard(lambda: _two_models(batch, n))
+    # too_few before two_models: the ranks meet again at the next scope's rendezvous, so rank 0
+    # does not leave the job while the others still read its announcement from the store
     out["too_few"] = _too_few_batches(batch)
+    out["two_models"] = _guard(lambda: _two_models(batch, n))
     return out
 
 
