@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, RandomSampler
 
+from accel_ctx import distributed, load_state, save_state
 from accel_ctx._data_order import fingerprint
 from accel_ctx._shard import ShardedIndices, ShardPlan
 
@@ -201,3 +203,26 @@ def test_fingerprint_tells_orders_apart_and_is_stable():
         pass
 
     assert fingerprint([Opaque()]) == fingerprint([Opaque()])  # never an invented difference
+
+
+def test_resume_mid_epoch_replays_the_order_of_the_generator_the_sampler_holds(tmp_path):
+    """The epoch's start states include the sampler's own generator (saved with checkpoints)."""
+
+    def make() -> DataLoader[Any]:
+        g = torch.Generator().manual_seed(7)
+        return DataLoader(data_trust.LoggingDataset(20), batch_size=2,
+                          sampler=RandomSampler(range(20), generator=g))
+
+    with distributed():
+        loader = make()
+        first_epoch = [b[0].tolist() for b in loader]
+        it = iter(loader)
+        for _ in range(3):
+            next(it)
+        save_state(tmp_path, loader=loader)
+        rest = [b[0].tolist() for b in it]
+    assert rest and sorted(i for b in first_epoch for i in b) == list(range(20))
+    with distributed():
+        loader = make()  # its generator is back at the first epoch's state
+        load_state(tmp_path, loader=loader)
+        assert [b[0].tolist() for b in loader] == rest
