@@ -113,7 +113,7 @@ def yielded(loader: DataLoader[Any]) -> int:
 def _global_batches(loader: DataLoader[Any]) -> int | None:
     """Batches in one epoch over all ranks (None: a stream without ``len``)."""
     iterable = isinstance(loader.dataset, IterableDataset)
-    return _data._length(loader, None, _data.ShardPlan(), iterable)  # type: ignore[arg-type]
+    return _data._length(loader, None, _data.ShardPlan(), iterable)
 
 
 def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> dict[str, Any]:
@@ -124,13 +124,14 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
     plan = record.epoch_plan or _data.ShardPlan()
     total = _global_batches(loader)
     consumed = plan.skip + sum(yields)
-    if total is not None:
-        consumed = min(consumed, total)  # even_batches pads the last round with repeats
+    end = plan.end(total) if total is not None else None  # drop_last: full rounds only
+    if end is not None:
+        consumed = min(consumed, end)  # even_batches pads the last round with repeats
     return {
         "name": name,
         "epoch": record.epoch,
         "consumed": consumed,
-        "finished": total is not None and consumed >= total,
+        "finished": end is not None and consumed >= end,
         "start_rng": record.epoch_start_rng,
     }
 

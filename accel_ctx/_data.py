@@ -3,15 +3,15 @@
 Map-style datasets are sharded by *batch index* over whatever the loader's sampler or
 batch_sampler yields: the stock iterator (workers, pin_memory, persistent workers) is built as
 usual but reads its indices through :class:`_IndexView`, which hands rank ``r`` the batches
-``r, r + W, r + 2W, ...`` of the epoch. A rank therefore never loads another rank's samples.
-With ``even_batches`` the last round is padded by wrapping around to the first batches of the
-epoch. Iterable datasets are sharded the same way after fetching (each rank skips the others'
-batches), since a stream cannot be indexed.
+``r, r + W, r + 2W, ...`` of the epoch (the rules, for the last round too, are in ``_shard``).
+A rank therefore never loads another rank's samples. Iterable datasets are sharded the same
+way after fetching (each rank skips the others' batches), since a stream cannot be indexed.
 
-Every rank sees the same shuffling: before an epoch starts, rank 0's RNG state (the loader's
-generator, else the global one) is copied to all ranks, *before* the stock iterator draws its
-worker seed and the sampler draws its permutation, so a W-rank run sees at each step exactly
-the samples of the one-process run with W times the batch size.
+Every rank sees the same shuffling: before an epoch draws its order, every generator that may
+decide it gets rank 0's state, and the ranks check they drew the same first batch
+(``_data_order``), so a W-rank run sees at each step exactly the samples of the one-process
+run with W times the batch size. With ``even_batches=False`` the batch only some ranks get is
+trained under DDP's Join (``_join``).
 """
 
 from __future__ import annotations
@@ -19,35 +19,20 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _state
+from . import _data_order, _state
+from ._join import UnevenTail
+from ._shard import EMPTY as _EMPTY
+from ._shard import ShardedIndices as _ShardedIndices
+from ._shard import ShardPlan
 from ._tree import to_device
 
-_EMPTY: Any = object()
-
-
-@dataclass(frozen=True)
-class ShardPlan:
-    """Which batches of one epoch this rank takes."""
-
-    rank: int = 0
-    world: int = 1
-    even: bool = True
-    skip: int = 0  # global batches already consumed (checkpoint resume)
-
-    def share(self, total: int) -> int:
-        """Batches this rank gets out of ``total`` global batches."""
-        remaining = max(total - self.skip, 0)
-        if self.even or remaining == 0:
-            return math.ceil(remaining / self.world)
-        return remaining // self.world + (1 if self.rank < remaining % self.world else 0)
+__all__ = ["ScopedIterator", "ShardPlan", "plan_for", "scoped_iter", "scoped_len"]
 
 
 def _already_sharded(loader: DataLoader[Any]) -> bool:
@@ -60,15 +45,26 @@ def _already_sharded(loader: DataLoader[Any]) -> bool:
 
 def _draws_no_randomness(loader: DataLoader[Any]) -> bool:
     """In-order sampling (evaluation loaders): nothing to make the ranks agree on."""
-    inner = getattr(loader.batch_sampler, "sampler", loader.sampler)
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:
+        return False  # a custom batch sampler may shuffle, whatever sampler it holds
+    inner = batch_sampler.sampler if batch_sampler is not None else loader.sampler
     return type(inner) is SequentialSampler and not isinstance(loader.dataset, IterableDataset)
+
+
+def _drops_last(loader: DataLoader[Any]) -> bool:
+    """The loader drops an incomplete last batch (``drop_last``, also a batch sampler's)."""
+    if loader.batch_size is None and loader.batch_sampler is None:
+        return False
+    return bool(loader.drop_last) or getattr(loader.batch_sampler, "drop_last", False) is True
 
 
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
     runtime = stack.dist if stack is not None else None
     if runtime is None or runtime.world_size == 1 or _already_sharded(loader):
         return ShardPlan(skip=skip)
-    return ShardPlan(runtime.rank, runtime.world_size, runtime.options.even_batches, skip)
+    return ShardPlan(runtime.rank, runtime.world_size, runtime.options.even_batches, skip,
+                     _drops_last(loader))
 
 
 class _IndexView:
@@ -90,107 +86,6 @@ class _IndexView:
         return plan.share(total) if plan is not None else total
 
 
-class _ShardedIndices:
-    """Rank ``r``'s batches of one epoch, with the wrap-around padding of the last round.
-
-    The source is the loader's index sampler (map-style: only indices are walked) or the stock
-    iterator itself (iterable datasets: every batch is fetched, the others' are dropped).
-    """
-
-    def __init__(self, original: Any, plan: ShardPlan) -> None:
-        self.original = original
-        self.plan = plan
-        self._source: Iterator[Any] | None = None
-        self._peeked: Any = _EMPTY
-        self._position = 0  # global batch index of the next batch from the source
-        self._first_round: list[Any] = []
-        self._padding: Iterator[Any] | None = None
-        self.handed_out = 0  # batches this rank got so far
-        self.padding_start: int | None = None  # first of them that is padding
-
-    def prime(self) -> None:
-        """Draw the sampler's randomness now (the source is otherwise built lazily)."""
-        if self._source is None:
-            self._source = iter(self.original)
-            self._peeked = next(self._source, _EMPTY)
-
-    def __iter__(self) -> _ShardedIndices:
-        return self
-
-    def _pull(self) -> Any:
-        if self._source is None:
-            # Lazily, like the stock batch sampler: the stock iterator draws its worker seed
-            # between iter() and the first next(), and the sampler's permutation comes after.
-            self._source = iter(self.original)
-        if self._peeked is not _EMPTY:
-            item, self._peeked = self._peeked, _EMPTY
-            return item
-        return next(self._source, _EMPTY)
-
-    def __next__(self) -> Any:
-        item = self._next()
-        self.handed_out += 1
-        return item
-
-    def _next(self) -> Any:
-        plan = self.plan
-        if plan.world == 1 and plan.skip == 0:
-            item = self._pull()
-            if item is _EMPTY:
-                raise StopIteration
-            return item
-        if self._padding is not None:
-            return next(self._padding)
-        while True:
-            item = self._pull()
-            if item is _EMPTY:
-                self.padding_start = self.handed_out
-                self._padding = iter(self._pad())
-                return next(self._padding)
-            index = self._position
-            self._position += 1
-            if index < plan.world and plan.even:  # they pad the last round, resumed or not
-                self._first_round.append(item)
-            if index < plan.skip:
-                continue
-            local = index - plan.skip
-            if local % plan.world == plan.rank:
-                return item
-
-    def _pad(self) -> list[Any]:
-        plan = self.plan
-        total = self._position - plan.skip
-        missing = -total % plan.world
-        if not plan.even or total == 0 or missing == 0:
-            return []
-        # ranks total % W .. W-1 lack a batch in the last round; fill with the epoch's first ones
-        first_missing = total % plan.world
-        if plan.rank < first_missing:
-            return []
-        return [self._first_round[(plan.rank - first_missing) % len(self._first_round)]]
-
-
-def sync_rng(loader: DataLoader[Any], runtime: Any) -> None:
-    """Give every rank rank 0's sampling RNG, so all draw the same permutation."""
-    generator = loader.generator
-    state = generator.get_state() if generator is not None else torch.get_rng_state()
-    device = torch.device("cpu")
-    if runtime.backend == "nccl":  # NCCL alone cannot broadcast CPU tensors
-        device = runtime.device
-    buffer = state.to(device)
-    dist.broadcast(buffer, src=0)
-    state = buffer.cpu()
-    if generator is not None:
-        generator.set_state(state)
-    else:
-        torch.set_rng_state(state)
-
-
-def _rng_snapshot(loader: DataLoader[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    generator = loader.generator
-    return torch.get_rng_state(), generator.get_state() if generator is not None else None
-
-
 def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -> Iterator[Any]:
     """The iterator a DataLoader hands out inside a scope."""
     record = _state.loader_record(loader)
@@ -200,6 +95,22 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     record.resume_skip, record.resume_rng = 0, None
     plan = plan_for(loader, stack, skip)
     runtime = stack.dist
+    record.epoch += 1
+    record.yielded = 0
+    record.epoch_plan = plan
+    if not iterable and (
+        record.view is None or record.view.original is not _stock_index_sampler(loader)
+    ):
+        record.view = _IndexView(_stock_index_sampler(loader), record)
+    length = _length(loader, stack, plan, iterable)
+
+    def build() -> ScopedIterator:
+        it = _build_stock(loader, record, None if iterable else plan, stock_iter, resume_rng)
+        scoped = ScopedIterator(it, stack, record, loader.pin_memory, length, plan,
+                                plan if iterable else None, _total(loader, iterable))
+        scoped._iteration.loader = loader  # gather_for_metrics reads its sampler
+        return scoped
+
     # A resumed epoch replays its saved (already shared) start; the ranks' restored states stay.
     if (
         resume_rng is None
@@ -208,24 +119,34 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         and not _already_sharded(loader)
         and not _draws_no_randomness(loader)
     ):
-        sync_rng(loader, runtime)
-    record.epoch += 1
-    record.yielded = 0
-    record.epoch_plan = plan
+        it, states, generators = _data_order.shared_start(loader, runtime, build, _first_batch)
+        record.epoch_start_rng = _rng_snapshot(loader, states, generators)
+        return it
     record.epoch_start_rng = _rng_snapshot(loader) if resume_rng is None else resume_rng
-    if iterable:
-        it = _build_stock(loader, record, None, stock_iter, resume_rng)
-        shard: ShardPlan | None = plan
-    else:
-        if record.view is None or record.view.original is not _stock_index_sampler(loader):
-            record.view = _IndexView(_stock_index_sampler(loader), record)
-        it = _build_stock(loader, record, plan, stock_iter, resume_rng)
-        shard = None
-    length = _length(loader, stack, plan, iterable)
-    device = runtime.device if runtime is not None else None
-    scoped = ScopedIterator(it, stack.session, record, device, loader.pin_memory, length, shard)
-    scoped._iteration.loader = loader  # gather_for_metrics reads its sampler
-    return scoped
+    return build()
+
+
+def _first_batch(it: ScopedIterator) -> Any:
+    """The epoch's first batch (of indices, for map-style datasets), drawn now."""
+    indices = it.indices()
+    return indices.prime() if indices is not None else _EMPTY
+
+
+def _rng_snapshot(
+    loader: DataLoader[Any],
+    states: list[torch.Tensor] | None = None,
+    generators: list[torch.Generator] | None = None,
+) -> tuple[Any, ...]:
+    """(global state, the loader generator's, the other order generators' in walk order)."""
+    if generators is None or states is None:
+        generators = _data_order.order_generators(loader)
+        states = [torch.get_rng_state(), *(g.get_state() for g in generators)]
+    own = loader.generator
+    own_state = next((s for g, s in zip(generators, states[1:], strict=True) if g is own), None)
+    if own is not None and own_state is None:  # the global generator passed as the loader's
+        own_state = own.get_state()
+    others = tuple(s for g, s in zip(generators, states[1:], strict=True) if g is not own)
+    return states[0], own_state, others
 
 
 def _stock_index_sampler(loader: DataLoader[Any]) -> Any:
@@ -237,7 +158,7 @@ def _build_stock(
     record: _state.LoaderRecord,
     plan: ShardPlan | None,
     stock_iter: Any,
-    replay_rng: tuple[torch.Tensor, torch.Tensor | None] | None,
+    replay_rng: tuple[Any, ...] | None,
 ) -> Iterator[Any]:
     record.plan = plan
     try:
@@ -252,6 +173,11 @@ def _build_stock(
             torch.set_rng_state(replay_rng[0])
             if generator is not None and replay_rng[1] is not None:
                 generator.set_state(replay_rng[1])
+            others = [g for g in _data_order.order_generators(loader) if g is not generator]
+            saved_others = replay_rng[2] if len(replay_rng) > 2 else ()
+            if len(saved_others) == len(others):  # the sampler's generators: as drawn then
+                for other, state in zip(others, saved_others, strict=True):
+                    other.set_state(state)
             it = stock_iter()
             sampler_iter = getattr(it, "_sampler_iter", None)
             if isinstance(sampler_iter, _ShardedIndices):
@@ -263,9 +189,8 @@ def _build_stock(
         record.plan = None
 
 
-def _length(
-    loader: DataLoader[Any], stack: _state.Stack, plan: ShardPlan, iterable: bool
-) -> int | None:
+def _total(loader: DataLoader[Any], iterable: bool) -> int | None:
+    """Global batches in one epoch (None: unknown, a stream without ``len``)."""
     try:
         if iterable:
             total = len(loader.dataset)  # type: ignore[arg-type]
@@ -275,11 +200,17 @@ def _length(
                     if loader.drop_last
                     else math.ceil(total / loader.batch_size)
                 )
-        else:
-            total = len(_stock_index_sampler(loader))
+            return total
+        return len(_stock_index_sampler(loader))
     except TypeError:
         return None
-    return plan.share(total)
+
+
+def _length(
+    loader: DataLoader[Any], stack: _state.Stack | None, plan: ShardPlan, iterable: bool
+) -> int | None:
+    total = _total(loader, iterable)
+    return plan.share(total) if total is not None else None
 
 
 def scoped_len(stack: _state.Stack, loader: DataLoader[Any], stock_len: Any) -> int:
@@ -299,22 +230,31 @@ class ScopedIterator:
     def __init__(
         self,
         it: Iterator[Any],
-        session: _state.Session,
+        stack: _state.Stack,
         record: _state.LoaderRecord,
-        device: torch.device | None,
         pin_memory: bool,
         length: int | None,
+        plan: ShardPlan,
         shard: ShardPlan | None,
+        total: int | None,
     ) -> None:
+        runtime = stack.dist
+        device = runtime.device if runtime is not None else None
         self._stock = it
         # iterable datasets cannot be indexed: shard the fetched batches with the same rules
         self._sharded = _ShardedIndices(it, shard) if shard is not None else None
         self._it: Iterator[Any] = self._sharded if self._sharded is not None else it
-        self._session = session
+        self._session = stack.session
         self._record = record
         self._device = device if device is not None and device.type != "cpu" else None
         self._non_blocking = pin_memory and device is not None and device.type == "cuda"
-        self._iteration = _state.LoaderIteration(length)
+        self._length = length
+        # even_batches=False: the ranks' last batches differ; every rank ends its accumulation
+        # group with the complete rounds, and the incomplete round runs under DDP's Join
+        uneven = runtime is not None and plan.world > 1 and not plan.even and not plan.drop
+        self._tail = UnevenTail(runtime) if uneven else None
+        group_length = plan.full_rounds(total) if uneven and total is not None else length
+        self._iteration = _state.LoaderIteration(group_length, self._tail)
         self._pending: Any = _EMPTY
         self._registered = False
         self._exhausted = False
@@ -323,15 +263,14 @@ class ScopedIterator:
         return self
 
     def __len__(self) -> int:
-        if self._iteration.length is not None:
-            return self._iteration.length
+        if self._length is not None:
+            return self._length
         return len(self._stock)  # type: ignore[arg-type]
 
-    def _is_padding(self, index: int) -> bool:
-        # iterable datasets: padded here; map-style: by the index view of this epoch
+    def indices(self) -> _ShardedIndices | None:
+        """This epoch's sharding (iterable datasets: here; map-style: the index view's)."""
         indices = self._sharded if self._sharded is not None else self._record.indices
-        start = indices.padding_start if isinstance(indices, _ShardedIndices) else None
-        return start is not None and index >= start
+        return indices if isinstance(indices, _ShardedIndices) else None
 
     def __next__(self) -> Any:
         if self._exhausted:
@@ -340,17 +279,24 @@ class ScopedIterator:
             batch, self._pending = self._pending, _EMPTY
         else:
             batch = next(self._it, _EMPTY)
+        indices = self.indices()
         if batch is _EMPTY:
             self._finish()
+            if self._tail is not None and indices is not None and indices.incomplete:
+                self._tail.finish(indices.tail_start is not None)
             raise StopIteration
         iteration = self._iteration
         iteration.index += 1
-        iteration.is_padding = self._is_padding(iteration.index)
+        start = indices.padding_start if indices is not None else None
+        iteration.is_padding = start is not None and iteration.index >= start
+        tail = indices.tail_start if indices is not None else None
         if iteration.length is not None:
             iteration.is_last = iteration.index >= iteration.length - 1
         else:  # unknown length: look one batch ahead to know whether this one is the last
             self._pending = next(self._it, _EMPTY)
-            iteration.is_last = self._pending is _EMPTY
+            iteration.is_last = self._pending is _EMPTY or tail == iteration.index + 1
+        if tail == iteration.index and self._tail is not None:
+            self._tail.enter(iteration.index)
         if not self._registered:
             self._session.loaders.append(iteration)
             self._registered = True

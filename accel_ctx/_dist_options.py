@@ -48,7 +48,10 @@ class DistributedOptions:
     sync_batchnorm: bool = False
     """Use SyncBatchNorm statistics across ranks for the scope (restored on exit)."""
     even_batches: bool = True
-    """Pad the last round of batches by wrapping around so every rank gets as many batches."""
+    """Pad the last round of batches by wrapping around so every rank gets as many batches.
+
+    False keeps the exact tail (ranks may get one batch fewer; training on it runs under DDP's
+    Join). A loader with ``drop_last=True`` drops the incomplete round either way."""
     debug: bool = False
     """Check collectives' shapes across ranks first (also on with ACCEL_CTX_DEBUG=1)."""
 

@@ -39,6 +39,7 @@ from .errors import (
 if TYPE_CHECKING:
     from ._precision import PrecisionRuntime
 
+_LAST_FORWARD = "_accel_ctx_last_forward"  # see _join.LAST_FORWARD
 _BUFFER_SYNC_FLAG = (
     "forward_sync_buffers"
     if "forward_sync_buffers" in inspect.signature(nn.parallel.DistributedDataParallel).parameters
@@ -174,6 +175,10 @@ class DistributedRuntime:
         # where this rank is (step, phase), for the other ranks' failure messages (_blame)
         self.progress: Progress = base.progress if base is not None else Progress()
         self.heartbeat: Heartbeat | None = None
+        # DDP forwards with gradients so far (numbers them for _join), and the refusal a
+        # forward gets in an uneven last round that no Join covers (even_batches=False)
+        self.ddp_forwards = 0
+        self.uneven_tail: str | None = None
 
     # ---- construction ------------------------------------------------------------------------
     @classmethod
@@ -234,10 +239,21 @@ class DistributedRuntime:
             self.progress.armed = bool(record.engine) or (
                 record.engine is None and any(p.requires_grad for p in module.parameters()))
             return module, None
+        base = self.base
+        if base.uneven_tail is not None and (record.engine or (
+            record.engine is None and any(p.requires_grad for p in module.parameters())
+        )):
+            from ._join import refuse_forward
+
+            refuse_forward(base)
         if record.engine is None:  # decided once, at the first call that records gradients
             record.engine = self._engine_for(module) or False
         engine = record.engine
-        return (engine, engine) if engine else (module, None)
+        if not engine:
+            return module, None
+        base.ddp_forwards += 1
+        engine.__dict__[_LAST_FORWARD] = base.ddp_forwards
+        return engine, engine
 
     def _adopt(self, module: nn.Module) -> _state.ModuleRecord:
         base = self.base

@@ -30,9 +30,10 @@ def gather_for_metrics(obj: T) -> T:
     from the epoch's start so every rank gets as many batches; those are dropped here, so over
     an epoch a metric sees each sample exactly once, in dataset order (the ranks' batches are
     concatenated in rank order, which is the order of the epoch's batches). Call it once per
-    batch, inside the loop over the DataLoader (it reads which batch this rank got last); with
-    ``distributed(even_batches=False)`` the ranks get different numbers of batches, so every
-    rank would not make the call of the last round.
+    batch, inside the loop over the DataLoader (it reads which batch this rank got last). With
+    ``distributed(even_batches=False)`` nothing is padded: in an incomplete last round the ranks
+    without a batch take part in its calls with nothing (torch's Join, see ``_join``), so make
+    the same calls for every batch.
 
     A loader the user sharded with their own ``DistributedSampler`` (accel_ctx leaves it as it
     is) repeats a few samples to give every rank as many; with ``drop_last=False`` (its
@@ -65,8 +66,15 @@ def gather_for_metrics(obj: T) -> T:
         return obj
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
+    if iteration is not None and iteration.uneven is not None:
+        iteration.uneven.note_gather(obj, iteration.index)  # even_batches=False: see _join
     if iteration is not None and _sampler_padded(iteration):
         obj = _drop_last_sample(obj)
+    return _gather(runtime, obj, padding)
+
+
+def _gather(runtime: Any, obj: T, padding: bool) -> T:
+    """One rank's part of a gather_for_metrics call (``padding``: contribute nothing)."""
     call = "gather_for_metrics()"
     d = describe(obj, call, free_dim=0, batches=True, travel=travel_type(runtime))
     _debug.check(runtime, call, d.tensors, free_dim=0)
