@@ -9,6 +9,7 @@ protocol are described in ``_checkpoint_files``.
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -79,13 +80,13 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
             f"save_state(keep_last={keep_last!r}): give how many checkpoints to keep (>= 1), "
             "or None to keep them all."
         )
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     from . import _checkpoint_dcp as objs
     from . import _checkpoint_files as files
+    from . import _checkpoint_guard as guard
 
     stateful, named_loaders = objs.split(objects, "save_state")
+    guard.arrive("save_state()")
+    root = Path(directory)
     stack = _state.current()
     precision = stack.effective_precision() if stack is not None else None
     if precision is not None:
@@ -94,44 +95,78 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     step = stack.session.step if stack is not None else 0
     loaders = owned.loaders_to_save(stack, named_loaders)
     tmp: Path | None = None
+    lock = guard.FolderLock(root)
     error: BaseException | None = None
     if rank == 0:
         try:
-            tmp = files.begin(Path(directory), step)
+            files.make_root(root)
+            lock.acquire()
+            tmp = files.begin(root, step)
         except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = exc
-    gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
-    objs.agree(error, "create the checkpoint folder")
-    tmp = Path(gathered[0][0])
+            error = guard.explain(exc, root)
+    try:
+        gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
+        objs.agree(error, "create the checkpoint folder")
+        tmp = Path(gathered[0][0])
+        final = _write(tmp, root, (rank, world, step), keep_last, stateful, loaders, gathered,
+                       sorted(objects), stack)
+    except BaseException:
+        if rank == 0:
+            files.discard(tmp)  # every rank has stopped writing: agree() or DCP said so
+        raise
+    finally:
+        lock.release()
+    return final
+
+
+def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | None,
+           stateful: dict[str, Any], loaders: list[tuple[str | None, Any]],
+           gathered: list[Any], names: list[str], stack: _state.Stack | None) -> Path:
+    """Every rank writes its part into ``tmp``; rank 0 publishes it. ``where``: rank, world
+    size and step."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from . import _checkpoint_dcp as objs
+    from . import _checkpoint_files as files
+    from . import _checkpoint_guard as guard
+    from ._checkpoint_sums import ChecksumWriter
+
+    rank, world, step = where
     counters = owned.capture_counters(stack, stateful)
-    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write"):
+    writer = ChecksumWriter(tmp)
+    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
         state_dict, forms = objs.collect(stateful)
-        dcp_save(state_dict, storage_writer=FileSystemWriter(tmp), no_dist=not objs.collective())
+        dcp_save(state_dict, storage_writer=writer, no_dist=not objs.collective())
+    written = writer.written(tmp)
     positions = [owned.position(loader, name, [g[1][i] for g in gathered])
                  for i, (name, loader) in enumerate(loaders)]
+    epoch = owned.next_epoch(positions[0]) if positions else 0
+    info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
+    error: BaseException | None = None
+    mine = files.rank_file(rank)
     try:
-        files.save_torch(tmp / files.rank_file(rank), {
+        written[mine] = files.save_torch(tmp / mine, {
             "rng": _rng.capture(),
             "generators": [owned.generator_state(loader) for _, loader in loaders],
             "grads": _partial_grads(counters, stateful),
         })
         if rank == 0:
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
-            files.save_torch(tmp / files.SHARED, {
+            written[files.SHARED] = files.save_torch(tmp / files.SHARED, {
                 "counters": counters, "loaders": positions, "world_size": world,
-                "optimizers": forms, "plain": plain,
+                "optimizers": forms, "plain": plain, "info": info,
+                "optimizer_params": objs.optimizer_params(stateful),
             })
     except Exception as exc:
-        error = exc
-    objs.agree(error, "write its part of the checkpoint")
+        error = guard.explain(exc, root, str(tmp))
+    everyone = objs.agree(error, "write its part of the checkpoint", written)
     final = tmp.with_name(tmp.name.removeprefix(files.TMP))
     if rank == 0:
         try:
-            epoch = owned.next_epoch(positions[0]) if positions else 0
-            info = {"step": step, "epoch": epoch, "world_size": world, "objects": sorted(objects)}
-            final = files.publish(tmp, info, keep_last)
+            sums = {name: sum_ for part in everyone for name, sum_ in part.items()}
+            final = files.publish(tmp, info, keep_last, sums)
         except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = exc
+            error = guard.explain(exc, root, str(tmp))
     objs.agree(error, "publish the checkpoint")
     return final
 
@@ -143,7 +178,8 @@ def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[s
             for n, m in stateful.items() if isinstance(m, nn.Module)}
 
 
-def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
+def load_state(directory: str | os.PathLike[str], *, required: bool = False,
+               **objects: Any) -> Resumed:
     """Load the newest complete checkpoint under ``directory`` into ``objects``; all ranks call it.
 
     The counterpart of :func:`save_state`, called inside the same scopes before the training
@@ -170,46 +206,88 @@ def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
     """
     from . import _checkpoint_dcp as objs
     from . import _checkpoint_files as files
+    from . import _checkpoint_guard as guard
 
     stateful, named_loaders = objs.split(objects, "load_state")
+    guard.arrive("load_state()")
     stack = _state.current()
     rank, world = objs.rank_world()
-    found: Path | None = None
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            found, skipped = files.newest(Path(directory))
-        except CheckpointError as exc:
-            error, skipped = exc, []
-        for reason in skipped:
-            warnings.warn(f"load_state: ignoring incomplete checkpoint {reason}.", stacklevel=2)
-    chosen = objs.gather(str(found) if found is not None else None)[0]
-    objs.agree(error, "find a checkpoint")
-    if chosen is None:
+    folder = _choose(Path(directory), rank, world, required)
+    if folder is None:
         return Resumed()
-    folder = Path(chosen)
-    manifest = files.validate(folder)
     shared = files.load_torch(folder / files.SHARED)
+    info = shared.get("info") or files.read_manifest(folder)  # format 1 kept it there only
     saved_world = int(shared["world_size"])
-    _check_names(folder, manifest, shared, stateful, named_loaders)
+    _check_names(folder, info, shared, stateful, named_loaders)
     mine = files.load_torch(folder / files.rank_file(rank)) if rank < saved_world else None
     generators = (mine or files.load_torch(folder / files.rank_file(0)))["generators"]
     _to_device(stack, stateful)
     _clear_grads(stateful)
     with objs.as_stock_torch():
-        objs.load(folder, stateful, shared["optimizers"], shared["plain"])
+        objs.load(folder, stateful, shared["optimizers"], shared["plain"],
+                  shared.get("optimizer_params", {}))
     counters = shared["counters"]
     owned.apply_counters(stack, counters, stateful, _device_type(stack, stateful))
     _restore_partial_grads(stack, counters, mine, stateful, world == saved_world)
     _resume_loaders(stack, shared["loaders"], generators, named_loaders)
     if mine is not None:
         _rng.restore(mine["rng"])
-    return Resumed(folder, int(manifest["step"]), int(manifest["epoch"]), saved_world)
+    return Resumed(folder, int(info["step"]), int(info["epoch"]), saved_world)
 
 
-def _check_names(folder: Path, manifest: dict[str, Any], shared: dict[str, Any],
+_log = logging.getLogger("accel_ctx.checkpoint")
+_fresh_logged: set[str] = set()
+
+
+def _choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
+    """The newest intact checkpoint the ranks agree on, verified by all of them together."""
+    from . import _checkpoint_dcp as objs
+    from . import _checkpoint_files as files
+
+    listing: tuple[bool, list[str], list[str]] = (False, [], [])
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            listing = files.candidates(root)
+        except CheckpointError as exc:
+            error = exc
+        for reason in listing[2]:
+            warnings.warn(f"load_state: ignoring incomplete checkpoint {reason}.", stacklevel=3)
+    direct, folders, _ = objs.agree(error, "find a checkpoint", listing)[0]
+    damaged = []
+    for folder in map(Path, folders):
+        problems = [p for p in objs.gather(files.problem(folder, rank, world)) if p is not None]
+        if not problems:
+            if rank == 0 and files.read_manifest(folder)["format"] == 1:
+                warnings.warn(f"load_state: {folder} was saved by an older accel_ctx, without "
+                              "checksums: its content cannot be verified.", stacklevel=3)
+            return folder
+        if direct:
+            raise CheckpointError(f"{problems[0]}. Load the folder holding the checkpoints to "
+                                  "take the newest intact one.")
+        damaged.append(problems[0])
+        if rank == 0:
+            warnings.warn(f"load_state: skipping a damaged checkpoint: {problems[0]}. Trying the "
+                          "one before it.", stacklevel=3)
+    if damaged:
+        raise CheckpointError(
+            f"load_state: no checkpoint in {root} is intact: {'; '.join(damaged)}. Restore them "
+            "from a copy, or move them away to start fresh."
+        )
+    if required:
+        raise CheckpointError(
+            f"load_state(required=True): no checkpoint in {root}. Check the folder (save_state() "
+            "writes ckpt-... folders into it), or leave out required=True to start fresh."
+        )
+    if rank == 0 and str(root.absolute()) not in _fresh_logged:
+        _fresh_logged.add(str(root.absolute()))
+        _log.warning("no checkpoint in %s: starting fresh", root)
+    return None
+
+
+def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],
                  stateful: dict[str, Any], loaders: dict[str, Any]) -> None:
-    saved = set(manifest["objects"])
+    saved = set(info["objects"])
     saved_loaders = {e["name"] for e in shared["loaders"] if e["name"] is not None}
     unknown = [n for n in stateful if n not in saved] + [n for n in loaders
                                                         if n not in saved_loaders]

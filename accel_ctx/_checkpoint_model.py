@@ -41,7 +41,9 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from . import _checkpoint_dcp as objs  # imported here: DCP is slow to import
+    from ._checkpoint_guard import arrive
 
+    arrive("save_model()")
     target = Path(path)
     use_safetensors = target.suffix == ".safetensors"
     if use_safetensors and not _safetensors_available():
