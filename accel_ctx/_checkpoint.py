@@ -9,7 +9,6 @@ protocol are described in ``_checkpoint_files``.
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from dataclasses import dataclass
@@ -64,7 +63,16 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     by the order of their first iteration). Saved inside an accumulation group, each rank's
     partial gradients are kept too. Written into a temporary folder renamed into place only
     once every rank has finished; the newest ``keep_last`` checkpoints are kept (None: all).
-    Returns the checkpoint's folder, ``directory/ckpt-<seq>-step<step>``.
+    The size and CRC-32 of every file, computed as it is written, go into its manifest for
+    :func:`load_state` to verify. Returns the checkpoint's folder,
+    ``directory/ckpt-<seq>-step<step>``.
+
+    Every rank must call it: called on some ranks only, it raises ``DistributedError`` naming
+    the ranks that never came, after ``min(60 s, distributed(timeout=...))`` or
+    ``ACCEL_CTX_ARRIVAL_TIMEOUT`` seconds. Raises ``CheckpointError`` when the disk is full
+    (nothing of that save is left; the previous checkpoints are intact) and when another save
+    into ``directory`` is in progress (naming its process and host; a lock left by a process
+    that died is taken over).
 
     Example:
         >>> import tempfile, torch
@@ -189,9 +197,15 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     stopped: iterating it next continues its epoch with the first batch not seen yet, in the
     same order, and later epochs shuffle as they would have. Loaders are matched by name, the
     others by the order of their first iteration. Incomplete checkpoints (a save that never
-    finished) are skipped with a warning. ``directory`` may also name one checkpoint folder.
-    Without any checkpoint nothing is loaded and the result is false. Works on another number
-    of processes than the one that saved (ranks beyond the saved ones keep their RNG states).
+    finished) are skipped with a warning, and so are damaged ones (a file whose content does
+    not match the checksum recorded when saving, a file truncated, missing or added), naming
+    the file: the checkpoint before it is loaded. ``directory`` may also name one checkpoint
+    folder: then an incomplete or damaged one raises ``CheckpointError``, as does finding only
+    damaged checkpoints. Without any checkpoint nothing is loaded, "no checkpoint in DIR:
+    starting fresh" is logged once (logger ``accel_ctx.checkpoint``) and the result is false;
+    ``required=True`` raises ``CheckpointError`` instead. Works on another number of processes
+    than the one that saved (ranks beyond the saved ones keep their RNG states). Every rank
+    must call it, as for :func:`save_state`.
 
     Example:
         >>> import tempfile, torch
@@ -206,17 +220,18 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     """
     from . import _checkpoint_dcp as objs
     from . import _checkpoint_files as files
+    from . import _checkpoint_find as find
     from . import _checkpoint_guard as guard
 
     stateful, named_loaders = objs.split(objects, "load_state")
     guard.arrive("load_state()")
     stack = _state.current()
     rank, world = objs.rank_world()
-    folder = _choose(Path(directory), rank, world, required)
+    folder = find.choose(Path(directory), rank, world, required)
     if folder is None:
         return Resumed()
     shared = files.load_torch(folder / files.SHARED)
-    info = shared.get("info") or files.read_manifest(folder)  # format 1 kept it there only
+    info = shared.get("info") or find.read_manifest(folder)  # format 1 kept it there only
     saved_world = int(shared["world_size"])
     _check_names(folder, info, shared, stateful, named_loaders)
     mine = files.load_torch(folder / files.rank_file(rank)) if rank < saved_world else None
@@ -233,56 +248,6 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     if mine is not None:
         _rng.restore(mine["rng"])
     return Resumed(folder, int(info["step"]), int(info["epoch"]), saved_world)
-
-
-_log = logging.getLogger("accel_ctx.checkpoint")
-_fresh_logged: set[str] = set()
-
-
-def _choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
-    """The newest intact checkpoint the ranks agree on, verified by all of them together."""
-    from . import _checkpoint_dcp as objs
-    from . import _checkpoint_files as files
-
-    listing: tuple[bool, list[str], list[str]] = (False, [], [])
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            listing = files.candidates(root)
-        except CheckpointError as exc:
-            error = exc
-        for reason in listing[2]:
-            warnings.warn(f"load_state: ignoring incomplete checkpoint {reason}.", stacklevel=3)
-    direct, folders, _ = objs.agree(error, "find a checkpoint", listing)[0]
-    damaged = []
-    for folder in map(Path, folders):
-        problems = [p for p in objs.gather(files.problem(folder, rank, world)) if p is not None]
-        if not problems:
-            if rank == 0 and files.read_manifest(folder)["format"] == 1:
-                warnings.warn(f"load_state: {folder} was saved by an older accel_ctx, without "
-                              "checksums: its content cannot be verified.", stacklevel=3)
-            return folder
-        if direct:
-            raise CheckpointError(f"{problems[0]}. Load the folder holding the checkpoints to "
-                                  "take the newest intact one.")
-        damaged.append(problems[0])
-        if rank == 0:
-            warnings.warn(f"load_state: skipping a damaged checkpoint: {problems[0]}. Trying the "
-                          "one before it.", stacklevel=3)
-    if damaged:
-        raise CheckpointError(
-            f"load_state: no checkpoint in {root} is intact: {'; '.join(damaged)}. Restore them "
-            "from a copy, or move them away to start fresh."
-        )
-    if required:
-        raise CheckpointError(
-            f"load_state(required=True): no checkpoint in {root}. Check the folder (save_state() "
-            "writes ckpt-... folders into it), or leave out required=True to start fresh."
-        )
-    if rank == 0 and str(root.absolute()) not in _fresh_logged:
-        _fresh_logged.add(str(root.absolute()))
-        _log.warning("no checkpoint in %s: starting fresh", root)
-    return None
 
 
 def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],

@@ -50,15 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._checkpoint_sums import (
-    Crc32Writer,
-    Sums,
-    file_crc32,
-    hex32,
-    manifest_crc32,
-    mismatches,
-    share,
-)
+from ._checkpoint_sums import Crc32Writer, Sums, file_crc32, hex32, manifest_crc32
 from .errors import CheckpointError
 
 FORMAT = 2  # 1: sizes only, without checksums (still read, unverified)
@@ -66,6 +58,7 @@ MANIFEST = "manifest.json"
 SHARED = "accel_ctx.pt"
 TMP, TRASH = ".tmp-", ".trash-"
 _NAME = re.compile(r"^ckpt-(\d+)-step(\d+)$")
+READABLE = (1, FORMAT)
 
 
 def rank_file(rank: int) -> str:
@@ -76,7 +69,8 @@ def folder_name(seq: int, step: int) -> str:
     return f"ckpt-{seq:06d}-step{step}"
 
 
-def _seq(name: str) -> int | None:
+def seq(name: str) -> int | None:
+    """The sequence number of a checkpoint folder's name (None: not one)."""
     match = _NAME.match(name.removeprefix(TMP))
     return int(match.group(1)) if match else None
 
@@ -107,7 +101,7 @@ def write_synced(path: Path, write: Callable[[Crc32Writer], object]) -> tuple[in
 
 
 def save_torch(path: Path, obj: Any) -> tuple[int, int]:
-    return write_synced(path, lambda f: torch.save(obj, f))
+    return write_synced(path, lambda f: torch.save(obj, f))  # type: ignore[arg-type]
 
 
 def make_root(root: Path) -> None:
@@ -126,8 +120,8 @@ def begin(root: Path, step: int) -> Path:
     for entry in root.iterdir():
         if entry.name.startswith((TMP, TRASH)) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)  # no save is running: those are dead
-        elif (seq := _seq(entry.name)) is not None:
-            seqs.append(seq)
+        elif (number := seq(entry.name)) is not None:
+            seqs.append(number)
     tmp = root / (TMP + folder_name(max(seqs) + 1, step))
     tmp.mkdir()
     return tmp
@@ -167,99 +161,13 @@ def publish(tmp: Path, info: dict[str, Any], keep_last: int | None, written: Sum
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if keep_last is not None:
-        complete = sorted((s, p) for p in final.parent.iterdir() if (s := _seq(p.name)) is not None
+        complete = sorted((s, p) for p in final.parent.iterdir() if (s := seq(p.name)) is not None
                           and not p.name.startswith(TMP))
         for _, old in complete[:-keep_last]:
             trash = old.with_name(TRASH + old.name)
             os.rename(old, trash)
             shutil.rmtree(trash, ignore_errors=True)
     return final
-
-
-# ---- finding and verifying --------------------------------------------------------------------
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint folder; CheckpointError when there is none or it is unusable."""
-    if not folder.is_dir():
-        raise CheckpointError(f"checkpoint {folder} does not exist")
-    try:
-        manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no {MANIFEST}: its save never finished") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder / MANIFEST} is unreadable ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") not in (1, FORMAT) or (
-        (manifest.get("format") == FORMAT) != ("crc32" in manifest)
-    ):
-        found = manifest.get("format") if isinstance(manifest, dict) else None
-        raise CheckpointError(
-            f"{folder} has checkpoint format {found!r}; this accel_ctx reads formats 1 and "
-            f"{FORMAT}. Load it with the accel_ctx version that wrote it."
-        )
-    return manifest
-
-
-def problem(folder: Path, rank: int, world: int) -> str | None:
-    """What is wrong with checkpoint ``folder`` (None: nothing), as far as ``rank`` checks.
-
-    Rank 0 compares the folder with its manifest (missing, truncated and extra files) and the
-    manifest with its own checksum; every rank verifies the content of its share of the files.
-    """
-    try:
-        manifest = read_manifest(folder)
-    except CheckpointError as exc:
-        return str(exc)
-    files: dict[str, int] = manifest["files"]
-    sums: dict[str, str] | None = manifest.get("crc32")
-    try:
-        if rank == 0:
-            for name, size in files.items():
-                path = folder / name
-                actual = path.stat().st_size if path.is_file() else None
-                if actual != size:
-                    what = "is missing" if actual is None else f"has {actual} bytes, not {size}"
-                    return f"checkpoint file {path} {what} (truncated or deleted)"
-            extra = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                           if p.is_file() and p.name != MANIFEST) 
-            extra = [n for n in extra if n not in files]
-            if extra:
-                return (f"checkpoint {folder} holds {', '.join(extra)}, which its save did not "
-                        "write (added or renamed since)")
-        if sums is None:
-            return None
-        damaged = mismatches(folder, share(files, rank, world), sums)
-        if damaged is None and rank == 0 and manifest.get("manifest_crc32") != manifest_crc32(
-            manifest
-        ):
-            damaged = f"{folder / MANIFEST} does not match its checksum: it was changed"
-        return damaged
-    except (AttributeError, KeyError, TypeError, ValueError) as exc:  # a mangled manifest
-        return f"{folder / MANIFEST} is malformed ({exc!r})"
-
-
-def validate(folder: Path) -> dict[str, Any]:
-    """The manifest of a complete, intact checkpoint (checked in this process alone)."""
-    issue = problem(folder, 0, 1)
-    if issue is not None:
-        raise CheckpointError(issue)
-    return read_manifest(folder)
-
-
-def candidates(root: Path) -> tuple[bool, list[str], list[str]]:
-    """(``root`` names one checkpoint, the checkpoints to try newest first, skipped leftovers)."""
-    if root.exists() and not root.is_dir():
-        raise CheckpointError(
-            f"load_state: {root} is a file, not a checkpoint folder. Give load_state() the "
-            "folder given to save_state() (or one ckpt-... folder inside it)."
-        )
-    if (root / MANIFEST).exists() or _seq(root.name) is not None:
-        return True, [str(root)], []  # asked for this one: an error, not a silent fallback
-    if not root.is_dir():
-        return False, [], []
-    skipped = [f"{p} (a save that never finished)" for p in sorted(root.iterdir())
-               if p.name.startswith(TMP) and p.is_dir()]
-    found = sorted(((s, p) for p in root.iterdir() if (s := _seq(p.name)) is not None
-                    and not p.name.startswith(TMP)), reverse=True)
-    return False, [str(p) for _, p in found], skipped
 
 
 # ---- safe reading ------------------------------------------------------------------------------

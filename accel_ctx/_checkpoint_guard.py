@@ -80,7 +80,8 @@ def arrival_timeout() -> float:
     if stack is not None and stack.dist is not None:
         group = stack.dist.options.timeout.total_seconds()
     else:
-        group = dist.distributed_c10d._get_default_store().timeout.total_seconds()
+        store: Any = dist.distributed_c10d._get_default_store()
+        group = store.timeout.total_seconds()
     return min(MAX_ARRIVAL_WAIT, group) if group > 0 else MAX_ARRIVAL_WAIT
 
 
@@ -226,15 +227,24 @@ def _warn_unlockable(path: Path, exc: OSError) -> None:
 
 
 # ---- a full disk -------------------------------------------------------------------------------
-def explain(exc: BaseException, root: Path, where: str | None = None) -> BaseException:
-    """A full disk or quota as a CheckpointError naming the folder and the fix; else ``exc``."""
+def explain(exc: BaseException, root: Path, where: str | None = None,
+            model_file: bool = False) -> BaseException:
+    """A full disk or quota as a CheckpointError naming the folder and the fix; else ``exc``.
+
+    ``model_file``: the error is save_model's, writing the file ``where`` in ``root``.
+    """
     if not isinstance(exc, OSError) or exc.errno not in _FULL:
         return exc
     what = "no space left on device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
     target = where or exc.filename or root
+    if model_file:
+        kept = (f"save_model: {what} while writing {target}. It was left as it was (the new file "
+                "is written beside it and renamed into place only once complete).")
+    else:
+        kept = (f"save_state: {what} while writing {target}. Nothing of this checkpoint was kept "
+                f"(its temporary folder is removed) and the previous checkpoints in {root} are "
+                "intact.")
     return CheckpointError(
-        f"save_state: {what} while writing {target}. Nothing of this checkpoint was kept "
-        f"(its temporary folder is removed) and the previous checkpoints in {root} are intact. "
-        "Free space on that file system, keep fewer checkpoints (keep_last=...), or save to "
-        "another folder."
+        f"{kept} Free space on that file system, keep fewer checkpoints (keep_last=...), or "
+        "save to another folder."
     )

@@ -8,15 +8,18 @@ newest checkpoint before anything is loaded from it: every rank reads a share of
 largest first, to the least-loaded rank) and the ranks agree on the verdict, so a damaged file
 sends the load to the checkpoint before it instead of into the model.
 
-``zlib.crc32`` runs at several GB/s and releases the GIL on large buffers; see
-``benchmarks/checkpoint_speed.py`` for what it costs a save and a load.
+``zlib.crc32`` runs at about 3 GB/s and releases the GIL on large buffers, so a large write's
+checksum is computed on a second thread while the write copies the same bytes to the page
+cache; see ``benchmarks/checkpoint_speed.py`` for what it costs a save and a load.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +30,9 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
 Sums = dict[str, tuple[int, int]]
 """File name (relative to the checkpoint folder) -> (size in bytes, CRC-32)."""
 
-_CHUNK = 1 << 22
+_CHUNK = 1 << 24
+_OVERLAP = 1 << 20  # writes this large get their checksum computed beside the write
+_crc32 = zlib.crc32  # of the files' content (benchmarks/checkpoint_speed.py swaps it out)
 
 
 class Crc32Writer:
@@ -42,13 +47,20 @@ class Crc32Writer:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        overlap: list[int] = []
+        if len(view) >= _OVERLAP:  # both release the GIL: the checksum hides behind the copy
+            thread = threading.Thread(target=lambda: overlap.append(_crc32(view, self.crc)))
+            thread.start()
         try:
             written = self.raw.write(view)
         except OSError as exc:
             self.error = self.error or exc
             raise
+        finally:
+            if len(view) >= _OVERLAP:
+                thread.join()  # the caller may reuse its buffer once write() returns
         n = len(view) if written is None else written
-        self.crc = zlib.crc32(view[:n], self.crc)
+        self.crc = overlap[0] if overlap and n == len(view) else _crc32(view[:n], self.crc)
         self.size += n
         return n
 
@@ -123,14 +135,24 @@ class ChecksumWriter(FileSystemWriter):
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
-    """(size, CRC-32) of a file, read in chunks."""
-    crc, size = 0, 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
+    """(size, CRC-32) of a file: mapped, so the checksum reads the page cache without a copy."""
+    crc = 0
     with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(view[:n], crc)
-            size += n
+        size = os.fstat(f.fileno()).st_size
+        try:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except (OSError, ValueError):  # a file system without mmap: read it in chunks
+            mapped = None
+        if mapped is not None:
+            with mapped, memoryview(mapped) as view:
+                for start in range(0, size, _CHUNK):
+                    crc = _crc32(view[start:start + _CHUNK], crc)
+            return size, crc
+        size, buffer = 0, bytearray(_CHUNK)
+        with memoryview(buffer) as view:
+            while n := f.readinto(buffer):
+                crc = _crc32(view[:n], crc)
+                size += n
     return size, crc
 
 

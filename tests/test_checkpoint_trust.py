@@ -25,9 +25,9 @@ import pytest
 import torch
 from torch import nn
 
-from accel_ctx import errors, load_state, save_state
 from accel_ctx import _checkpoint_files as files
 from accel_ctx import _checkpoint_guard as guard
+from accel_ctx import errors, load_state, save_model, save_state
 
 from ._spawn import spawn
 from .workers import checkpoint_trust as trust
@@ -138,12 +138,12 @@ def test_damage_falls_back_to_the_checkpoint_before_naming_the_file(tmp_path, da
         load_state(newer, model=_model(0.0)[0])
     # the older one damaged too: an error, not a fresh start that would rotate them away
     make(older)
-    with pytest.raises(errors.CheckpointError, match="no checkpoint in .* is intact"):
+    with pytest.raises(errors.CheckpointError, match=r"no checkpoint in .* is intact"):
         _load(tmp_path)
 
 
 def test_an_intact_checkpoint_loads_and_records_every_file_checksum(tmp_path):
-    older, newer, _ = _two(tmp_path)
+    _, newer, _ = _two(tmp_path)
     manifest = json.loads((newer / "manifest.json").read_text())
     assert manifest["format"] == 2
     assert set(manifest["crc32"]) == set(manifest["files"]) == {
@@ -151,6 +151,19 @@ def test_an_intact_checkpoint_loads_and_records_every_file_checksum(tmp_path):
     resumed, loaded, warned = _load(tmp_path)
     assert resumed.path == newer and not warned  # type: ignore[attr-defined]
     assert all(torch.equal(loaded[k], v) for k, v in params(_model(2.0)[0]).items())
+
+
+def test_a_checkpoint_without_checksums_loads_unverified_only_as_format_1(tmp_path):
+    _, newer, _ = _two(tmp_path)
+    path = newer / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["crc32"], manifest["manifest_crc32"]
+    path.write_text(json.dumps({**manifest, "format": 2}))  # checksums stripped: refused
+    with pytest.raises(errors.CheckpointError, match="format 2"):
+        load_state(newer, model=_model(0.0)[0])
+    path.write_text(json.dumps({**manifest, "format": 1}))  # as written before checksums
+    with pytest.warns(UserWarning, match="without checksums: its content cannot be verified"):
+        assert load_state(tmp_path, model=_model(0.0)[0]).path == newer
 
 
 def test_a_full_disk_says_so_and_leaves_nothing_half_written(tmp_path, monkeypatch):
@@ -171,8 +184,16 @@ def test_a_full_disk_says_so_and_leaves_nothing_half_written(tmp_path, monkeypat
         assert "Free space" in text
         assert sorted(p.name for p in tmp_path.iterdir()) == [good.name], victim
     monkeypatch.setattr(files, "begin", begin)
-    resumed, loaded, warned = _load(tmp_path)
+    resumed, _, warned = _load(tmp_path)
     assert resumed.path == good and not warned  # type: ignore[attr-defined]
+    # save_model likewise: the file it replaces is left as it was
+    target = tmp_path / "weights" / "model.pt"
+    save_model(model, target)
+    before = target.read_bytes()
+    os.symlink("/dev/full", target.with_name(f".model.pt.tmp-{os.getpid()}"))
+    with pytest.raises(errors.CheckpointError, match="save_model: no space left on device"):
+        save_model(model, target)
+    assert target.read_bytes() == before and os.listdir(target.parent) == ["model.pt"]
 
 
 def test_a_real_full_file_system(tmp_path):

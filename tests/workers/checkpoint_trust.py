@@ -15,10 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accel_ctx import _checkpoint_files, distributed, load_state, save_model, save_state, state
+from accel_ctx import (
+    _checkpoint_files,
+    _checkpoint_find,
+    distributed,
+    load_state,
+    save_model,
+    save_state,
+    state,
+    wait_for_everyone,
+)
 from accel_ctx import _checkpoint_guard as guard
 from accel_ctx import _checkpoint_sums as sums
-from accel_ctx import wait_for_everyone
 
 from .common import MLP, params
 
@@ -104,7 +112,7 @@ def damage_and_full_disk(root: str) -> dict[str, Any]:
         second = save_state(folder, model=model, optimizer=opt)
         wait_for_everyone()
         if rank == 0:
-            manifest = _checkpoint_files.read_manifest(second)
+            manifest = _checkpoint_find.read_manifest(second)
             victim = sums.share(manifest["files"], 1, 2)[0]  # rank 1 verifies this one
             flip_byte(second / victim)
             out["victim"] = victim
