@@ -62,18 +62,20 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 
 
 def one_rank_calls(root: str) -> dict[str, Any]:
-    """On 2 ranks: save_state/save_model on rank 0 alone, then rank 1 late; different calls on
-    the two ranks; then every rank saves and loads as it should (the ranks still agree)."""
-    os.environ.pop(guard.ARRIVAL_ENV, None)  # the default: min(60 s, the group's 4 s)
+    """On 2 ranks: save_state, save_model and load_state on rank 0 alone, then rank 1 late;
+    different calls on the two ranks; then every rank saves and loads as it should (the ranks
+    still agree)."""
+    os.environ[guard.ARRIVAL_ENV] = "4"  # not the default 60 s (this is a spawned child)
     out: dict[str, Any] = {}
     folder = Path(root)
     folder.mkdir(exist_ok=True)
-    with distributed(timeout=4):
+    with distributed(timeout=60):
         rank = state().rank
         torch.manual_seed(0)  # the same weights on both ranks: what DCP saves once
         model = MLP()
         for n, call in enumerate([lambda: save_state(folder / "ckpt", model=model),
-                                  lambda: save_model(model, folder / "model.pt")]):
+                                  lambda: save_model(model, folder / "model.pt"),
+                                  lambda: load_state(folder / "ckpt", model=model)]):
             gave_up = folder / f"rank0-gave-up-{n}"
             if state().is_main_process:
                 started = time.monotonic()
