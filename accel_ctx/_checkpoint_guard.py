@@ -184,11 +184,12 @@ class FolderLock:
             if same:
                 break
             os.close(fd)
+        self.fd = fd
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-        os.ftruncate(fd, 0)
-        os.write(fd, json.dumps(owner).encode())
-        self.fd = fd
+        with contextlib.suppress(OSError):  # only for messages (a full disk is said later)
+            os.ftruncate(fd, 0)
+            os.write(fd, json.dumps(owner).encode())
         return self
 
     def release(self) -> None:
