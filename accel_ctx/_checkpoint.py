@@ -4,7 +4,9 @@ Models, optimizers and other objects with ``state_dict`` go through
 ``torch.distributed.checkpoint`` (see ``_checkpoint_dcp``), so W ranks' checkpoint loads on W'
 ranks. What accel_ctx owns (counters, loss scale, accumulation, RNG states, loader positions)
 is kept beside (``_checkpoint_state``, ``_rng``); the folder layout and the atomic publish
-protocol are described in ``_checkpoint_files``.
+protocol are described in ``_checkpoint_files``, the checksums in ``_checkpoint_sums``, how a
+load picks an intact checkpoint in ``_checkpoint_find``, and the arrival check, the folder lock
+and full-disk errors in ``_checkpoint_guard``.
 """
 
 from __future__ import annotations

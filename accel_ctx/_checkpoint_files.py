@@ -19,8 +19,10 @@ deleted, so a crash at any moment leaves only complete checkpoints under a ``ckp
 save that fails (a full disk) deletes its ``.tmp-…`` folder before raising.
 
 Loading checks a checkpoint before reading anything from it: the manifest's own checksum, every
-file listed with its size, no file more, and every file's CRC-32 (``_checkpoint_sums``). A
-checkpoint failing any check is skipped, with a warning naming the file, for the one before it.
+file listed with its size, no file more, and every file's CRC-32 (``_checkpoint_find``, with the
+checksums of ``_checkpoint_sums``). A checkpoint failing any check is skipped, with a warning
+naming the file, for the one before it. Rank 0 holds ``.save.lock`` for the time of a save
+(``_checkpoint_guard``).
 
 Reading executes nothing from the checkpoint: tensors and plain data load with
 ``torch.load(weights_only=True)``, and DCP's ``.metadata`` pickle (which DCP itself reads with
