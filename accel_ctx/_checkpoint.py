@@ -4,7 +4,9 @@ Models, optimizers and other objects with ``state_dict`` go through
 ``torch.distributed.checkpoint`` (see ``_checkpoint_dcp``), so W ranks' checkpoint loads on W'
 ranks. What accel_ctx owns (counters, loss scale, accumulation, RNG states, loader positions)
 is kept beside (``_checkpoint_state``, ``_rng``); the folder layout and the atomic publish
-protocol are described in ``_checkpoint_files``.
+protocol are described in ``_checkpoint_files``, the checksums in ``_checkpoint_sums``, how a
+load picks an intact checkpoint in ``_checkpoint_find``, and the arrival check, the folder lock
+and full-disk errors in ``_checkpoint_guard``.
 """
 
 from __future__ import annotations
@@ -65,7 +67,16 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     by the order of their first iteration). Saved inside an accumulation group, each rank's
     partial gradients are kept too. Written into a temporary folder renamed into place only
     once every rank has finished; the newest ``keep_last`` checkpoints are kept (None: all).
-    Returns the checkpoint's folder, ``directory/ckpt-<seq>-step<step>``.
+    The size and CRC-32 of every file, computed as it is written, go into its manifest for
+    :func:`load_state` to verify. Returns the checkpoint's folder,
+    ``directory/ckpt-<seq>-step<step>``.
+
+    Every rank must call it: called on some ranks only, it raises ``DistributedError`` naming
+    the ranks that never came, after ``min(60 s, distributed(timeout=...))`` or
+    ``ACCEL_CTX_ARRIVAL_TIMEOUT`` seconds. Raises ``CheckpointError`` when the disk is full
+    (nothing of that save is left; the previous checkpoints are intact) and when another save
+    into ``directory`` is in progress (naming its process and host; a lock left by a process
+    that died is taken over).
 
     Example:
         >>> import tempfile, torch
@@ -81,13 +92,13 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
             f"save_state(keep_last={keep_last!r}): give how many checkpoints to keep (>= 1), "
             "or None to keep them all."
         )
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
     from . import _checkpoint_dcp as objs
     from . import _checkpoint_files as files
+    from . import _checkpoint_guard as guard
 
     stateful, named_loaders = objs.split(objects, "save_state")
+    guard.arrive("save_state()")
+    root = Path(directory)
     stack = _state.current()
     precision = stack.effective_precision() if stack is not None else None
     if precision is not None:
@@ -96,44 +107,78 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     step = stack.session.step if stack is not None else 0
     loaders = owned.loaders_to_save(stack, named_loaders)
     tmp: Path | None = None
+    lock = guard.FolderLock(root)
     error: BaseException | None = None
     if rank == 0:
         try:
-            tmp = files.begin(Path(directory), step)
+            files.make_root(root)
+            lock.acquire()
+            tmp = files.begin(root, step)
         except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = exc
-    gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
-    objs.agree(error, "create the checkpoint folder")
-    tmp = Path(gathered[0][0])
+            error = guard.explain(exc, root)
+    try:
+        gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
+        objs.agree(error, "create the checkpoint folder")
+        tmp = Path(gathered[0][0])
+        final = _write(tmp, root, (rank, world, step), keep_last, stateful, loaders, gathered,
+                       sorted(objects), stack)
+    except BaseException:
+        if rank == 0:
+            files.discard(tmp)  # every rank has stopped writing: agree() or DCP said so
+        raise
+    finally:
+        lock.release()
+    return final
+
+
+def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | None,
+           stateful: dict[str, Any], loaders: list[tuple[str | None, Any]],
+           gathered: list[Any], names: list[str], stack: _state.Stack | None) -> Path:
+    """Every rank writes its part into ``tmp``; rank 0 publishes it. ``where``: rank, world
+    size and step."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from . import _checkpoint_dcp as objs
+    from . import _checkpoint_files as files
+    from . import _checkpoint_guard as guard
+    from ._checkpoint_sums import ChecksumWriter
+
+    rank, world, step = where
     counters = owned.capture_counters(stack, stateful)
-    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write"):
+    writer = ChecksumWriter(tmp)
+    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
         state_dict, forms = objs.collect(stateful)
-        dcp_save(state_dict, storage_writer=FileSystemWriter(tmp), no_dist=not objs.collective())
+        dcp_save(state_dict, storage_writer=writer, no_dist=not objs.collective())
+    written = writer.written(tmp)
     positions = [owned.position(loader, name, [g[1][i] for g in gathered])
                  for i, (name, loader) in enumerate(loaders)]
+    epoch = owned.next_epoch(positions[0]) if positions else 0
+    info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
+    error: BaseException | None = None
+    mine = files.rank_file(rank)
     try:
-        files.save_torch(tmp / files.rank_file(rank), {
+        written[mine] = files.save_torch(tmp / mine, {
             "rng": _rng.capture(),
             "generators": [owned.generator_state(loader) for _, loader in loaders],
             "grads": _partial_grads(counters, stateful),
         })
         if rank == 0:
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
-            files.save_torch(tmp / files.SHARED, {
+            written[files.SHARED] = files.save_torch(tmp / files.SHARED, {
                 "counters": counters, "loaders": positions, "world_size": world,
-                "optimizers": forms, "plain": plain,
+                "optimizers": forms, "plain": plain, "info": info,
+                "optimizer_params": objs.optimizer_params(stateful),
             })
     except Exception as exc:
-        error = exc
-    objs.agree(error, "write its part of the checkpoint")
+        error = guard.explain(exc, root, str(tmp))
+    everyone = objs.agree(error, "write its part of the checkpoint", written)
     final = tmp.with_name(tmp.name.removeprefix(files.TMP))
     if rank == 0:
         try:
-            epoch = owned.next_epoch(positions[0]) if positions else 0
-            info = {"step": step, "epoch": epoch, "world_size": world, "objects": sorted(objects)}
-            final = files.publish(tmp, info, keep_last)
+            sums = {name: sum_ for part in everyone for name, sum_ in part.items()}
+            final = files.publish(tmp, info, keep_last, sums)
         except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = exc
+            error = guard.explain(exc, root, str(tmp))
     objs.agree(error, "publish the checkpoint")
     return final
 
@@ -146,7 +191,8 @@ def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[s
 
 
 @collective
-def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
+def load_state(directory: str | os.PathLike[str], *, required: bool = False,
+               **objects: Any) -> Resumed:
     """Load the newest complete checkpoint under ``directory`` into ``objects``; all ranks call it.
 
     The counterpart of :func:`save_state`, called inside the same scopes before the training
@@ -156,9 +202,15 @@ def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
     stopped: iterating it next continues its epoch with the first batch not seen yet, in the
     same order, and later epochs shuffle as they would have. Loaders are matched by name, the
     others by the order of their first iteration. Incomplete checkpoints (a save that never
-    finished) are skipped with a warning. ``directory`` may also name one checkpoint folder.
-    Without any checkpoint nothing is loaded and the result is false. Works on another number
-    of processes than the one that saved (ranks beyond the saved ones keep their RNG states).
+    finished) are skipped with a warning, and so are damaged ones (a file whose content does
+    not match the checksum recorded when saving, a file truncated, missing or added), naming
+    the file: the checkpoint before it is loaded. ``directory`` may also name one checkpoint
+    folder: then an incomplete or damaged one raises ``CheckpointError``, as does finding only
+    damaged checkpoints. Without any checkpoint nothing is loaded, "no checkpoint in DIR:
+    starting fresh" is logged once (logger ``accel_ctx.checkpoint``) and the result is false;
+    ``required=True`` raises ``CheckpointError`` instead. Works on another number of processes
+    than the one that saved (ranks beyond the saved ones keep their RNG states). Every rank
+    must call it, as for :func:`save_state`.
 
     Example:
         >>> import tempfile, torch
@@ -173,46 +225,39 @@ def load_state(directory: str | os.PathLike[str], **objects: Any) -> Resumed:
     """
     from . import _checkpoint_dcp as objs
     from . import _checkpoint_files as files
+    from . import _checkpoint_find as find
+    from . import _checkpoint_guard as guard
 
     stateful, named_loaders = objs.split(objects, "load_state")
+    guard.arrive("load_state()")
     stack = _state.current()
     rank, world = objs.rank_world()
-    found: Path | None = None
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            found, skipped = files.newest(Path(directory))
-        except CheckpointError as exc:
-            error, skipped = exc, []
-        for reason in skipped:
-            warnings.warn(f"load_state: ignoring incomplete checkpoint {reason}.", stacklevel=2)
-    chosen = objs.gather(str(found) if found is not None else None)[0]
-    objs.agree(error, "find a checkpoint")
-    if chosen is None:
+    folder = find.choose(Path(directory), rank, world, required)
+    if folder is None:
         return Resumed()
-    folder = Path(chosen)
-    manifest = files.validate(folder)
     shared = files.load_torch(folder / files.SHARED)
+    info = shared.get("info") or find.read_manifest(folder)  # format 1 kept it there only
     saved_world = int(shared["world_size"])
-    _check_names(folder, manifest, shared, stateful, named_loaders)
+    _check_names(folder, info, shared, stateful, named_loaders)
     mine = files.load_torch(folder / files.rank_file(rank)) if rank < saved_world else None
     generators = (mine or files.load_torch(folder / files.rank_file(0)))["generators"]
     _to_device(stack, stateful)
     _clear_grads(stateful)
     with objs.as_stock_torch():
-        objs.load(folder, stateful, shared["optimizers"], shared["plain"])
+        objs.load(folder, stateful, shared["optimizers"], shared["plain"],
+                  shared.get("optimizer_params", {}))
     counters = shared["counters"]
     owned.apply_counters(stack, counters, stateful, _device_type(stack, stateful))
     _restore_partial_grads(stack, counters, mine, stateful, world == saved_world)
     _resume_loaders(stack, shared["loaders"], generators, named_loaders)
     if mine is not None:
         _rng.restore(mine["rng"])
-    return Resumed(folder, int(manifest["step"]), int(manifest["epoch"]), saved_world)
+    return Resumed(folder, int(info["step"]), int(info["epoch"]), saved_world)
 
 
-def _check_names(folder: Path, manifest: dict[str, Any], shared: dict[str, Any],
+def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],
                  stateful: dict[str, Any], loaders: dict[str, Any]) -> None:
-    saved = set(manifest["objects"])
+    saved = set(info["objects"])
     saved_loaders = {e["name"] for e in shared["loaders"] if e["name"] is not None}
     unknown = [n for n in stateful if n not in saved] + [n for n in loaders
                                                         if n not in saved_loaders]

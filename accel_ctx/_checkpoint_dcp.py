@@ -53,13 +53,16 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
-def agree(error: BaseException | None, what: str) -> None:
-    """Every rank learns whether every rank succeeded (instead of waiting in a barrier)."""
-    for rank, message in enumerate(gather(None if error is None else repr(error))):
+def agree(error: BaseException | None, what: str, value: Any = None) -> list[Any]:
+    """Every rank learns whether every rank succeeded (instead of waiting in a barrier), and
+    gets every rank's ``value`` in the same exchange."""
+    gathered = gather((None if error is None else repr(error), value))
+    for rank, (message, _) in enumerate(gathered):
         if message is not None:
             if error is not None:
                 raise error
             raise CheckpointError(f"rank {rank} failed to {what}: {message}")
+    return [v for _, v in gathered]
 
 
 @contextlib.contextmanager
@@ -133,9 +136,61 @@ def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     return state_dict, forms
 
 
+def _param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[list[str | None]]:
+    """Per param group, the name in ``module`` of each parameter (None: not one of its)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    names = {id(p): min(_get_fqns(module, n)) for n, p in module.named_parameters()}
+    return [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+
+
+def optimizer_params(stateful: dict[str, Any]) -> dict[str, Any]:
+    """For each optimizer over saved models: their names and its parameters' names in them."""
+    out = {}
+    for name, obj in stateful.items():
+        if isinstance(obj, torch.optim.Optimizer) and (owners := _owners(obj, stateful)):
+            module = _owner_module(owners, stateful, name)
+            out[name] = {"owners": owners, "params": _param_names(obj, module)}
+    return out
+
+
+def check_optimizers(folder: Path, stateful: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Name the parameters that differ between a saved optimizer and the one given."""
+    for name, record in saved.items():
+        obj, owners = stateful.get(name), record["owners"]
+        if not isinstance(obj, torch.optim.Optimizer) or not all(
+            isinstance(stateful.get(n), nn.Module) for n in owners
+        ):
+            continue  # not loaded here, or its models not passed (said elsewhere)
+        given = _param_names(obj, _owner_module(owners, stateful, name))
+        if given == record["params"]:
+            continue
+        was = [n for group in record["params"] for n in group]
+        now = [n for group in given for n in group]
+        shapes = [tuple(p.shape) for g in obj.param_groups for p in g["params"]]
+        parts = []
+        if lacking := [n for n in was if n not in now]:
+            parts.append(f"lacks {_few(lacking)}")
+        if extra := [n for n in now if n is not None and n not in was]:
+            parts.append(f"has {_few(extra)}, which the saved one did not")
+        if outside := [shapes[i] for i, n in enumerate(now) if n is None]:
+            parts.append(f"has {len(outside)} parameter(s) that are not in "
+                         f"{' or '.join(owners)} (shapes {_few([str(s) for s in outside])})")
+        if not parts:
+            parts.append(f"groups them differently: {[len(g) for g in given]} parameters per "
+                         f"group, {[len(g) for g in record['params']]} when saved")
+        raise CheckpointError(
+            f"checkpoint {folder}: the optimizer {name!r} was saved over the parameters of "
+            f"{' and '.join(owners)} ({_few(was)}); the one given {'; '.join(parts)}. Build it "
+            f"over the same parameters, e.g. torch.optim.AdamW({owners[0]}.parameters()), from "
+            "the same model that is passed to load_state."
+        )
+
+
 def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
-         plain: dict[str, Any]) -> None:
+         plain: dict[str, Any], params: dict[str, Any]) -> None:
     """Load the objects in place: DCP fills templates made from them, then they take them."""
+    check_optimizers(folder, stateful, params)
     templates: dict[str, Any] = {}
     for name, obj in stateful.items():
         if isinstance(obj, nn.Module):
@@ -171,15 +226,20 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
 
 
 @contextlib.contextmanager
-def checkpoint_errors(folder: Path, verb: str) -> Iterator[None]:
+def checkpoint_errors(folder: Path, verb: str, root: Path | None = None) -> Iterator[None]:
     """DCP reports any rank's failure on every rank as a CheckpointException (a BaseException,
-    which ``except Exception`` misses): turn it into a CheckpointError naming rank and cause."""
+    which ``except Exception`` misses): turn it into a CheckpointError naming rank and cause
+    (a full disk as such when saving into ``root``)."""
+    from ._checkpoint_guard import explain
+
     try:
         yield
     except CheckpointException as exc:
         rank, (error, _) = min(exc.failures.items(),
                                key=lambda item: (not isinstance(item[1][0], CheckpointError),
                                                  item[0]))
+        if root is not None:
+            error = explain(error, root, str(folder))
         if isinstance(error, CheckpointError):
             raise CheckpointError(f"rank {rank}: {error}") from None
         raise CheckpointError(f"rank {rank} could not {verb} {folder}: {error!r}") from None
@@ -214,6 +274,6 @@ def _check_keys(folder: Path, templates: dict[str, Any], stateful: dict[str, Any
         )
 
 
-def _few(keys: list[str], limit: int = 8) -> str:
+def _few(keys: list[Any], limit: int = 8) -> str:
     more = f" (+{len(keys) - limit} more)" if len(keys) > limit else ""
-    return ", ".join(keys[:limit]) + more
+    return ", ".join(map(str, keys[:limit])) + more

@@ -7,14 +7,22 @@ Layout of ``save_state(root, ...)``::
         .metadata, __0_0.distcp…   torch.distributed.checkpoint: models, optimizers, schedulers
         accel_ctx.pt               what accel_ctx owns and is the same on every rank
         rank0.pt, rank1.pt…        per rank: RNG states, loader generators, partial gradients
-        manifest.json              written last: every file above with its size
+        manifest.json              written last: every file above with its size and CRC-32
       .tmp-ckpt-000008-step1300/   a save in progress, or one that never finished: ignored
       .trash-ckpt-000004-step600/  a rotated-out checkpoint being deleted: ignored
+      .save.lock                   while a save runs: who is saving (see _checkpoint_guard)
 
 A checkpoint is written into ``.tmp-…``; once every rank has finished (a barrier), rank 0
 writes the manifest, flushes everything to disk and renames the folder to its final name in
 one atomic ``rename``. Rotated-out checkpoints are renamed to ``.trash-…`` before they are
-deleted, so a crash at any moment leaves only complete checkpoints under a ``ckpt-`` name.
+deleted, so a crash at any moment leaves only complete checkpoints under a ``ckpt-`` name; a
+save that fails (a full disk) deletes its ``.tmp-…`` folder before raising.
+
+Loading checks a checkpoint before reading anything from it: the manifest's own checksum, every
+file listed with its size, no file more, and every file's CRC-32 (``_checkpoint_find``, with the
+checksums of ``_checkpoint_sums``). A checkpoint failing any check is skipped, with a warning
+naming the file, for the one before it. Rank 0 holds ``.save.lock`` for the time of a save
+(``_checkpoint_guard``).
 
 Reading executes nothing from the checkpoint: tensors and plain data load with
 ``torch.load(weights_only=True)``, and DCP's ``.metadata`` pickle (which DCP itself reads with
@@ -34,7 +42,7 @@ import shutil
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint._traverse import set_element
@@ -44,13 +52,15 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from ._checkpoint_sums import Crc32Writer, Sums, file_crc32, hex32, manifest_crc32
 from .errors import CheckpointError
 
-FORMAT = 1
+FORMAT = 2  # 1: sizes only, without checksums (still read, unverified)
 MANIFEST = "manifest.json"
 SHARED = "accel_ctx.pt"
 TMP, TRASH = ".tmp-", ".trash-"
 _NAME = re.compile(r"^ckpt-(\d+)-step(\d+)$")
+READABLE = (1, FORMAT)
 
 
 def rank_file(rank: int) -> str:
@@ -61,7 +71,8 @@ def folder_name(seq: int, step: int) -> str:
     return f"ckpt-{seq:06d}-step{step}"
 
 
-def _seq(name: str) -> int | None:
+def seq(name: str) -> int | None:
+    """The sequence number of a checkpoint folder's name (None: not one)."""
     match = _NAME.match(name.removeprefix(TMP))
     return int(match.group(1)) if match else None
 
@@ -76,94 +87,89 @@ def fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def write_synced(path: Path, write: Callable[[IO[bytes]], object]) -> None:
+def write_synced(path: Path, write: Callable[[Crc32Writer], object]) -> tuple[int, int]:
+    """Write a file through ``write`` and flush it to disk; its (size, CRC-32)."""
     with open(path, "wb") as f:
-        write(f)
+        out = Crc32Writer(f)
+        try:
+            write(out)
+        except Exception as exc:
+            if out.error is not None:  # the cause, not torch.save's "unexpected pos"
+                raise out.error from exc
+            raise
         f.flush()
         os.fsync(f.fileno())
+    return out.size, out.crc
 
 
-def save_torch(path: Path, obj: Any) -> None:
-    write_synced(path, lambda f: torch.save(obj, f))
+def save_torch(path: Path, obj: Any) -> tuple[int, int]:
+    return write_synced(path, lambda f: torch.save(obj, f))  # type: ignore[arg-type]
+
+
+def make_root(root: Path) -> None:
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(
+            f"save_state: {root} is a file, not a folder; give save_state() the folder to keep "
+            "its checkpoints in."
+        )
+    root.mkdir(parents=True, exist_ok=True)
 
 
 def begin(root: Path, step: int) -> Path:
-    """Rank 0: clear what crashed saves left, then make this save's temporary folder."""
-    root.mkdir(parents=True, exist_ok=True)
+    """Rank 0, holding the folder's lock: clear what crashed saves left, make this save's
+    temporary folder."""
     seqs = [0]
     for entry in root.iterdir():
         if entry.name.startswith((TMP, TRASH)) and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)  # no save is running: those are dead
-        elif (seq := _seq(entry.name)) is not None:
-            seqs.append(seq)
+        elif (number := seq(entry.name)) is not None:
+            seqs.append(number)
     tmp = root / (TMP + folder_name(max(seqs) + 1, step))
     tmp.mkdir()
     return tmp
 
 
-def publish(tmp: Path, info: dict[str, Any], keep_last: int | None) -> Path:
-    """Rank 0, after every rank wrote its part: manifest, flush, atomic rename, rotation."""
-    files = {
-        str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+def discard(tmp: Path | None) -> None:
+    """Rank 0, after a failed save: delete its temporary folder (the next save would too)."""
+    if tmp is not None and tmp.name.startswith(TMP):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish(tmp: Path, info: dict[str, Any], keep_last: int | None, written: Sums) -> Path:
+    """Rank 0, after every rank wrote its part: manifest, flush, atomic rename, rotation.
+
+    ``written`` holds every rank's sums of the files it wrote; a file nobody reported (none
+    expected) is read back for its checksum.
+    """
+    on_disk = {str(p.relative_to(tmp)): p for p in sorted(tmp.rglob("*")) if p.is_file()}
+    lost = sorted(set(written) - set(on_disk))
+    if lost:
+        raise CheckpointError(f"files written for checkpoint {tmp} have vanished: {lost}")
+    sums = {name: written.get(name) or file_crc32(path) for name, path in on_disk.items()}
+    for name, (size, _) in sums.items():
+        if on_disk[name].stat().st_size != size:
+            raise CheckpointError(
+                f"checkpoint file {on_disk[name]} holds {on_disk[name].stat().st_size} bytes "
+                f"but {size} were written: something else writes into {tmp}"
+            )
+    manifest: dict[str, Any] = {
+        "format": FORMAT, **info, "files": {n: s for n, (s, _) in sums.items()},
+        "crc32": {n: hex32(c) for n, (_, c) in sums.items()},
     }
-    manifest = {"format": FORMAT, **info, "files": files}
+    manifest["manifest_crc32"] = manifest_crc32(manifest)
     write_synced(tmp / MANIFEST, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     fsync_dir(tmp)
     final = tmp.with_name(tmp.name.removeprefix(TMP))
     os.rename(tmp, final)
     fsync_dir(final.parent)
     if keep_last is not None:
-        complete = sorted((s, p) for p in final.parent.iterdir() if (s := _seq(p.name)) is not None
+        complete = sorted((s, p) for p in final.parent.iterdir() if (s := seq(p.name)) is not None
                           and not p.name.startswith(TMP))
         for _, old in complete[:-keep_last]:
             trash = old.with_name(TRASH + old.name)
             os.rename(old, trash)
             shutil.rmtree(trash, ignore_errors=True)
     return final
-
-
-# ---- finding and validating ------------------------------------------------------------------
-def validate(folder: Path) -> dict[str, Any]:
-    """The manifest of a complete checkpoint; CheckpointError saying what is missing otherwise."""
-    try:
-        manifest: dict[str, Any] = json.loads((folder / MANIFEST).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{folder} has no {MANIFEST}: its save never finished") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder / MANIFEST} is unreadable ({exc})") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{folder} has checkpoint format {manifest.get('format')!r}; this accel_ctx reads "
-            f"format {FORMAT}. Load it with the accel_ctx version that wrote it."
-        )
-    for name, size in manifest["files"].items():
-        path = folder / name
-        actual = path.stat().st_size if path.is_file() else None
-        if actual != size:
-            what = "is missing" if actual is None else f"has {actual} bytes, not {size}"
-            raise CheckpointError(f"checkpoint file {path} {what} (truncated or deleted)")
-    return manifest
-
-
-def newest(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest complete checkpoint under ``root`` (or ``root`` itself) and what was skipped."""
-    if (root / MANIFEST).exists() or _seq(root.name) is not None:
-        validate(root)  # asked for this one: an error, not a silent fallback
-        return root, []
-    if not root.is_dir():
-        return None, []
-    skipped = [f"{p} (a save that never finished)" for p in sorted(root.iterdir())
-               if p.name.startswith(TMP) and p.is_dir()]
-    candidates = sorted(((s, p) for p in root.iterdir() if (s := _seq(p.name)) is not None
-                         and not p.name.startswith(TMP)), reverse=True)
-    for _, folder in candidates:
-        try:
-            validate(folder)
-        except CheckpointError as exc:
-            skipped.append(str(exc))
-            continue
-        return folder, skipped
-    return None, skipped
 
 
 # ---- safe reading ------------------------------------------------------------------------------

@@ -30,7 +30,9 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     sharded models are gathered first, so the file loads into a fresh model with plain
     PyTorch: ``model.load_state_dict(torch.load(path, weights_only=True))``. The file is
     written beside ``path`` and renamed into place, so ``path`` never holds half a model.
-    Returns the path written (on every rank).
+    Returns the path written (on every rank). Every rank must call it: called on some ranks
+    only, it raises ``DistributedError`` naming the ranks that never came (see
+    :func:`save_state`); a full disk raises ``CheckpointError`` saying so.
 
     Example:
         >>> import tempfile, torch
@@ -44,7 +46,9 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from . import _checkpoint_dcp as objs  # imported here: DCP is slow to import
+    from ._checkpoint_guard import arrive, explain
 
+    arrive("save_model()")
     target = Path(path)
     use_safetensors = target.suffix == ".safetensors"
     if use_safetensors and not _safetensors_available():
@@ -63,7 +67,7 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
         try:
             _write(target, state_dict, use_safetensors)
         except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = exc
+            error = explain(exc, target.parent, str(target), model_file=True)
     objs.agree(error, f"write {target}")
     return target
 

@@ -16,14 +16,19 @@ load / torch.load       ``model.load_state_dict(torch.load(f,            ``load_
                         weights_only=True))``
 load / dcp.load         ``dcp.load`` into ``get_model_state_dict``,      ``load_state``
                         then ``set_model_state_dict``
+save / no checksums     ``save_state`` with the CRC-32 of every file     ``save_state``
+                        switched off (the cost of recording them)
+load / no checksums     ``load_state`` without verifying the files       ``load_state``
+                        against their CRC-32 (the cost of verifying)
 ======================  ===============================================  =====================
 
 Every save writes new files; the previous output is removed outside the timed block (so
 ``save_state`` runs with ``keep_last=None``: rotation is a rename and a delete). Loads read
 files written just before, from the page cache, on every side alike.
 
-    python benchmarks/checkpoint_speed.py            # 5 pairs per row, about 3 minutes
-    python benchmarks/checkpoint_speed.py --quick    # 2 pairs per row, about a minute
+    python benchmarks/checkpoint_speed.py            # 5 pairs per row, about 4 minutes
+    python benchmarks/checkpoint_speed.py --quick    # 2 pairs per row, about 2 minutes
+    python benchmarks/checkpoint_speed.py --only checksums   # just the two checksum rows
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextlib
 import gc
 import shutil
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,9 +56,21 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from accel_ctx import load_state, save_state
+from accel_ctx import _checkpoint_find, _checkpoint_sums, load_state, save_state
 
 TARGET = 1.10
+
+
+@contextlib.contextmanager
+def checksums_off() -> Iterator[None]:
+    """save_state records no CRC-32 (zeros instead) and load_state verifies none."""
+    crc, verify = _checkpoint_sums._crc32, _checkpoint_find.mismatches
+    _checkpoint_sums._crc32 = lambda data, value=0: 0
+    _checkpoint_find.mismatches = lambda *args: None
+    try:
+        yield
+    finally:
+        _checkpoint_sums._crc32, _checkpoint_find.mismatches = crc, verify
 
 
 def make_model() -> nn.Module:
@@ -95,6 +113,10 @@ class Sides:
     def accel_save(self, path: Path) -> None:
         save_state(path, keep_last=None, model=self.model)
 
+    def accel_save_unchecked(self, path: Path) -> None:
+        with checksums_off():
+            self.accel_save(path)
+
     # ---- loads (from files written by prepare_loads) ----
     def prepare_loads(self) -> None:
         self.torch_file = self.root / "load.pt"
@@ -114,6 +136,10 @@ class Sides:
 
     def accel_load(self) -> None:
         assert load_state(self.accel_dir, model=self.model)
+
+    def accel_load_unverified(self) -> None:
+        with checksums_off():
+            self.accel_load()
 
 
 def save_row(sides: Sides, name: str, reference: Callable[[Path], None], pairs: int) -> Comparison:
@@ -144,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pairs", type=int, default=5, help="A/B pairs per row (and A/A)")
     parser.add_argument("--quick", action="store_true", help="2 pairs per row")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp folder)")
+    parser.add_argument("--only", default=None, help="run only the rows whose name has this")
     args = parser.parse_args(argv)
     pairs = 2 if args.quick else args.pairs
     torch.set_num_threads(1)
@@ -155,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         sides = Sides(model, root)
         sides.accel_save(sides.fresh("warmup"))  # imports, first-call costs
         sides.prepare_loads()
-        rows = [
-            save_row(sides, "save / torch.save", sides.torch_save, pairs),
-            save_row(sides, "save / torch.save+sync", sides.torch_save_synced, pairs),
-            save_row(sides, "save / dcp.save", sides.dcp_save, pairs),
-            load_row(sides, "load / torch.load", sides.torch_load, pairs),
-            load_row(sides, "load / dcp.load", sides.dcp_load, pairs),
-        ]
+        saves = {"save / torch.save": sides.torch_save,
+                 "save / torch.save+sync": sides.torch_save_synced,
+                 "save / dcp.save": sides.dcp_save,
+                 "save / no checksums": sides.accel_save_unchecked}
+        loads = {"load / torch.load": sides.torch_load, "load / dcp.load": sides.dcp_load,
+                 "load / no checksums": sides.accel_load_unverified}
+        wanted = [n for n in [*saves, *loads] if args.only is None or args.only in n]
+        rows = [save_row(sides, n, saves[n], pairs) if n in saves
+                else load_row(sides, n, loads[n], pairs) for n in wanted]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"model: {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MiB fp32), "
