@@ -192,6 +192,9 @@ def check_nested(outer_device: torch.device, outer_backend: str | None,
         )
 
 
+DEVICE_VARIABLE = "ACCEL_CTX_DEVICE"
+
+
 # ---- device ------------------------------------------------------------------------------------
 _PER_TASK_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
@@ -250,9 +253,14 @@ def _check_available(device: torch.device) -> None:
 
 def pick_device(options: DistributedOptions, launch: _env.LaunchEnv,
                 env: Mapping[str, str] | None = None) -> torch.device:
-    """This rank's device: the one asked for, else cuda:LOCAL_RANK, else mps, else cpu."""
+    """This rank's device: the one asked for, else cuda:LOCAL_RANK, else mps, else cpu.
+
+    Asked for by ``distributed(device=...)``, else by the environment variable
+    ``ACCEL_CTX_DEVICE`` (e.g. ``cpu`` to keep a run, or a test suite, off the GPUs).
+    """
     env = os.environ if env is None else env
-    asked = torch.device(options.device) if options.device is not None else None
+    named = options.device if options.device is not None else _device_setting(env)
+    asked = torch.device(named) if named is not None else None
     if asked is not None:
         _check_available(asked)
         if not (asked.type == "cuda" and asked.index is None):
@@ -275,6 +283,19 @@ def pick_device(options: DistributedOptions, launch: _env.LaunchEnv,
             f"Start at most {count} processes per node, or pass distributed(device='cpu')."
         )
     return torch.device("cuda", launch.local_rank)
+
+
+def _device_setting(env: Mapping[str, str]) -> str | None:
+    value = env.get(DEVICE_VARIABLE, "").strip()
+    if not value:
+        return None
+    try:
+        return str(torch.device(value))
+    except (RuntimeError, ValueError):
+        raise ConfigurationError(
+            f"{DEVICE_VARIABLE}={value!r} is not a device: set it to 'cpu', 'cuda', 'cuda:1' or "
+            "'mps', or unset it to pick the best device."
+        ) from None
 
 
 # ---- backend -----------------------------------------------------------------------------------

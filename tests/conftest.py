@@ -67,6 +67,19 @@ def no_state_left_behind():
     assert not problems, "; ".join(problems)
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_gpu_test(request, no_state_left_behind, monkeypatch):
+    """Tests of CPU semantics run on the CPU also on a machine with a GPU.
+
+    On a contributor's one-GPU workstation ``distributed()`` would otherwise pick cuda:0 in every
+    test, and several spawned ranks would share that one GPU under NCCL. GPU behaviour is tested
+    by the ``gpu`` tests, which see the machine as it is. Requesting ``no_state_left_behind``
+    first makes monkeypatch restore the variable before that fixture checks the environment.
+    """
+    if "gpu" not in request.keywords:
+        monkeypatch.setenv("ACCEL_CTX_DEVICE", "cpu")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
