@@ -14,7 +14,6 @@ its last backward. Either way the step sees the mean over the micro-batches it a
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from contextlib import ExitStack
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from . import _state
 from ._scope import Scope
+from ._warn import warn_user
 from .errors import ConfigurationError
 
 
@@ -94,13 +94,11 @@ class AccumulateRuntime(_PausesEngines):
         if record.last_group == self.groups:
             if not self._warned_double_step:
                 self._warned_double_step = True
-                warnings.warn(
+                warn_user(
                     "optimizer.step() was called again without a new backward under "
                     "accumulate(); the extra call is skipped. Call step() once per "
                     "micro-batch, after loss.backward().",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
+                    RuntimeWarning)
             return False
         record.last_group = self.groups
         return True

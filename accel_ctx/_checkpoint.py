@@ -12,7 +12,6 @@ and full-disk errors in ``_checkpoint_guard``.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 from . import _checkpoint_state as owned
 from . import _rng, _state
 from ._blame import collective
+from ._warn import warn_user
 from .errors import CheckpointError, ConfigurationError
 
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
@@ -320,13 +320,11 @@ def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
                 for key, grad in grads.items():
                     params[key].grad = grad.to(params[key].device)
         return
-    warnings.warn(
+    warn_user(
         f"load_state: the checkpoint was saved after micro-batch {done} of an accumulation "
         f"group of {size}; those partial gradients belong to the ranks and accumulate({size}) "
         "that saved it and are dropped here, so the next group starts afresh. Save after "
-        "opt.step() at a group boundary (state().sync_gradients) to resume elsewhere exactly.",
-        stacklevel=3,
-    )
+        "opt.step() at a group boundary (state().sync_gradients) to resume elsewhere exactly.")
     acc.micro, acc.size, acc.sync_gradients = 0, None, True
 
 

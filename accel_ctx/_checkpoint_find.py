@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 from pathlib import Path
 from typing import Any
 
 from . import _checkpoint_files as files
 from ._checkpoint_sums import manifest_crc32, mismatches, share
+from ._warn import warn_user
 from .errors import CheckpointError
 
 
@@ -116,23 +116,23 @@ def choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
         except CheckpointError as exc:
             error = exc
         for reason in listing[2]:
-            warnings.warn(f"load_state: ignoring incomplete checkpoint {reason}.", stacklevel=3)
+            warn_user(f"load_state: ignoring incomplete checkpoint {reason}.")
     direct, folders, _ = objs.agree(error, "find a checkpoint", listing)[0]
     damaged = []
     for folder in map(Path, folders):
         problems = [p for p in objs.gather(problem(folder, rank, world)) if p is not None]
         if not problems:
             if rank == 0 and read_manifest(folder)["format"] == 1:
-                warnings.warn(f"load_state: {folder} was saved by an older accel_ctx, without "
-                              "checksums: its content cannot be verified.", stacklevel=3)
+                warn_user(f"load_state: {folder} was saved by an older accel_ctx, without "
+                              "checksums: its content cannot be verified.")
             return folder
         if direct:
             raise CheckpointError(f"{problems[0]}. Load the folder holding the checkpoints to "
                                   "take the newest intact one.")
         damaged.append(problems[0])
         if rank == 0:
-            warnings.warn(f"load_state: skipping a damaged checkpoint: {problems[0]}. Trying the "
-                          "one before it.", stacklevel=3)
+            warn_user(f"load_state: skipping a damaged checkpoint: {problems[0]}. Trying the "
+                          "one before it.")
     if damaged:
         raise CheckpointError(
             f"load_state: no checkpoint in {root} is intact: {'; '.join(damaged)}. Restore them "

@@ -29,7 +29,6 @@ import os
 import socket
 import threading
 import time
-import warnings
 import weakref
 from datetime import timedelta
 from pathlib import Path
@@ -38,6 +37,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import _state
+from ._warn import warn_user
 from .errors import CheckpointError, ConfigurationError, DistributedError
 
 ARRIVAL_ENV = "ACCEL_CTX_ARRIVAL_TIMEOUT"
@@ -220,11 +220,9 @@ _unlockable_warned: set[str] = set()
 def _warn_unlockable(path: Path, exc: OSError) -> None:
     if str(path.parent) not in _unlockable_warned:
         _unlockable_warned.add(str(path.parent))
-        warnings.warn(
+        warn_user(
             f"save_state: {path.parent} cannot be locked on this file system ({exc}); saves "
-            "proceed unlocked, so two jobs saving into it at once would not be detected.",
-            stacklevel=4,
-        )
+            "proceed unlocked, so two jobs saving into it at once would not be detected.")
 
 
 # ---- a full disk -------------------------------------------------------------------------------

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 
 from ._blame import collective
+from ._warn import warn_user
 
 
 def _safetensors_available() -> bool:
@@ -54,11 +54,9 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     if use_safetensors and not _safetensors_available():
         target, use_safetensors = target.with_suffix(".pt"), False
         if objs.rank_world()[0] == 0:
-            warnings.warn(
+            warn_user(
                 f"save_model: the safetensors package is not installed; writing a torch.save "
-                f"state dict to {target} instead (pip install safetensors for {path}).",
-                stacklevel=2,
-            )
+                f"state dict to {target} instead (pip install safetensors for {path}).")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     with objs.as_stock_torch():
         state_dict = get_model_state_dict(model, options=options)  # collective when sharded
@@ -105,7 +103,7 @@ def _untied(state_dict: dict[str, Any], target: Path) -> dict[str, torch.Tensor]
             storages.add(storage)
             out[key] = tensor.clone() if tied or not tensor.is_contiguous() else tensor
     if dropped:
-        warnings.warn(f"save_model: {target} cannot hold non-tensor entries {dropped}; they are "
-                      "left out.", stacklevel=3)
+        warn_user(f"save_model: {target} cannot hold non-tensor entries {dropped}; they are "
+                      "left out.")
     return out
 

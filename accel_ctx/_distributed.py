@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import inspect
 import os
-import warnings
 import weakref
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
@@ -30,6 +29,7 @@ from ._dist_options import (
 from ._progress import Heartbeat, Progress, watch
 from ._scope import Scope
 from ._tree import to_device
+from ._warn import warn_user
 from .errors import (
     DistributedError,
     LaunchEnvironmentError,
@@ -273,15 +273,13 @@ class DistributedRuntime:
             return
         self._parts_checked.add(part)
         if self.rank == 0 and any(p.requires_grad for p in part.parameters()):
-            warnings.warn(
+            warn_user(
                 f"a {type(part).__name__} inside an adopted model was called on its own with "
                 "gradients enabled: DDP averages gradients only for calls of the whole model, "
                 "so the gradients of this call stay local to each rank and the ranks drift "
                 "apart. Call the model itself (move this use into its forward), or wrap the "
                 "call in torch.no_grad() if no gradients are needed.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+                RuntimeWarning)
 
     def _engine_for(self, module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
         trainable = any(p.requires_grad for p in module.parameters())
@@ -293,13 +291,11 @@ class DistributedRuntime:
             elif self.options.sync_batchnorm and not base._warned_batchnorm:
                 base._warned_batchnorm = True
                 if self.rank == 0:
-                    warnings.warn(
+                    warn_user(
                         f"distributed(sync_batchnorm=True): SyncBatchNorm cannot run on "
                         f"{self.device.type}; BatchNorm statistics stay per rank here. It takes "
                         "effect on CUDA devices.",
-                        RuntimeWarning,
-                        stacklevel=4,
-                    )
+                        RuntimeWarning)
             engine = self._ddp(module)
         return engine
 

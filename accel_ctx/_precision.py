@@ -22,6 +22,7 @@ from torch.amp.grad_scaler import OptState
 from . import _env, _state
 from ._scope import Scope
 from ._tree import cast_floating
+from ._warn import warn_user
 from .errors import ConfigurationError
 
 F = TypeVar("F")
@@ -82,13 +83,11 @@ def _report_launcher_conflict(policy: str) -> None:
     rank = stack.dist.rank if stack is not None and stack.dist is not None else (
         int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0)
     if rank == 0:
-        warnings.warn(
+        warn_user(
             f"mixed_precision({policy!r}) in the script overrides the launcher's "
             f"--mixed-precision {launcher} ({_env.MIXED_PRECISION_VAR}): this scope runs in "
             f"{'fp32' if mine == 'no' else mine}. An explicit policy wins; to follow the "
-            "launcher, call mixed_precision() without a policy, or drop --mixed-precision.",
-            stacklevel=3,
-        )
+            "launcher, call mixed_precision() without a policy, or drop --mixed-precision.")
 
 
 @dataclass(frozen=True)

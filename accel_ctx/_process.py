@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
@@ -39,6 +38,7 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from . import _barrier, _blame, _debug, _state
+from ._warn import warn_user
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -124,12 +124,10 @@ class ProcessFilter:
             if not self._selects(rank, world, local_rank, local_world):
                 if self._rank is not None and self._rank >= world and rank == 0 and not warned:
                     warned.append(True)
-                    warnings.warn(
+                    warn_user(
                         f"{fn.__qualname__}() never runs: {self.label} names rank {self._rank} "
                         f"but the job has {world} process(es). Start more processes or pick a "
-                        "rank below the world size.",
-                        stacklevel=2,
-                    )
+                        "rank below the world size.")
                 return _skipped() if is_coroutine else None
             if is_coroutine:
                 return _guarded(wrapped(*args, **kwargs), where)
