@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from ._skeleton import Slot, rebuild_mapping, rebuild_sequence
+from ._skeleton import Slot, holds, rebuild_mapping, rebuild_sequence
 from .errors import ConfigurationError, DistributedError
 
 _MAGIC = 0x61636378  # "accx": a header that is not ours means a different call on that rank
@@ -99,7 +99,7 @@ class Described:
                 object.__setattr__(new, f.name, self.walk(getattr(obj, f.name), f"{path}.{f.name}"))
             return new
         if isinstance(obj, (list, tuple)):
-            if self.batches and not _holds_tensor(obj):
+            if self.batches and not holds(obj, torch.Tensor):
                 self.data = True
                 self._note(f"{path} batch {name}", path, f"a {name} of {len(obj)} objects")
                 return obj
@@ -149,18 +149,6 @@ def _short(obj: Any) -> str:
     except Exception:  # a broken __repr__ must not stop one rank before the exchange
         return "(unprintable)"
     return text if len(text) <= 30 else text[:27] + "..."
-
-
-def _holds_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, Mapping):
-        return any(_holds_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_tensor(v) for v in obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return any(_holds_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    return False
 
 
 class Exchanged:

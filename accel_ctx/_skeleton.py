@@ -72,22 +72,23 @@ def merge(skeletons: list[Any], gathered: list[torch.Tensor]) -> Any:
                                                   gathered))
         return new
     if isinstance(first, (list, tuple)):
-        if _holds_slot(first):  # a structure: position by position
+        if holds(first, Slot):  # a structure: position by position
             items = [merge(list(c), gathered) for c in zip(*skeletons, strict=True)]
             return items if type(first) is list else rebuild_sequence(first, items)
         return rebuild_sequence(first, [item for s in skeletons for item in s])  # a batch
     return list(skeletons)  # a bare value: one per rank
 
 
-def _holds_slot(obj: Any) -> bool:
-    if isinstance(obj, Slot):
+def holds(obj: Any, kind: type) -> bool:
+    """Whether the nested structure ``obj`` holds an instance of ``kind`` anywhere."""
+    if isinstance(obj, kind):
         return True
     if isinstance(obj, Mapping):
-        return any(_holds_slot(v) for v in obj.values())
+        return any(holds(v, kind) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return any(_holds_slot(v) for v in obj)
+        return any(holds(v, kind) for v in obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return any(_holds_slot(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+        return any(holds(getattr(obj, f.name), kind) for f in dataclasses.fields(obj))
     return False
 
 

@@ -11,20 +11,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from ._launcher import SCRIPTS, finish, start, stop, stop_all
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "scripts"
-ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 BATCH = 8
 
 
@@ -34,53 +31,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_STARTED: list[subprocess.Popen[bytes]] = []
-
-
 @pytest.fixture(autouse=True)
 def _no_job_left_behind():
-    """Whatever a test leaves running (it failed early) is killed with its workers."""
     yield
-    while _STARTED:
-        _kill(_STARTED.pop())
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM first: torchrun then stops its workers (they run in sessions of their own)."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _start(args: list[str], tmp_path: Path, log: str) -> tuple[subprocess.Popen[bytes], Path]:
-    (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    path = tmp_path / log
-    with path.open("wb") as out:
-        proc = subprocess.Popen([ACCEL_CTX, "launch", *args], cwd=tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    _STARTED.append(proc)
-    return proc, path
-
-
-def _finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise
+    stop_all()
 
 
 def _wait_for(paths: list[Path], proc: subprocess.Popen[bytes], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not all(p.exists() for p in paths):
         if proc.poll() is not None or time.monotonic() > deadline:
-            _kill(proc)
+            stop(proc)
             pytest.fail(f"the workers never started: {[p.name for p in paths]} missing")
         time.sleep(0.1)
 
@@ -100,11 +61,11 @@ def test_two_launchers_with_nnodes_2_form_one_world_of_4_and_train_equivalently(
     master = f"127.0.0.1:{_free_port()}"
     script = [str(SCRIPTS / "train_save.py"), str(out), str(BATCH)]
     nodes = [
-        _start(["--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "2",
+        start(["--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "2",
                 "--rdzv-conf", "join_timeout=60", *script], tmp_path, f"node{node}.log")
         for node in (1, 0)  # the second node may start first
     ]
-    codes = [_finish(proc, 150) for proc, _ in nodes]
+    codes = [finish(proc, 150) for proc, _ in nodes]
     logs = "\n".join(path.read_text() for _, path in nodes)
     assert codes == [0, 0], logs
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(4)]
@@ -118,13 +79,13 @@ def test_two_launchers_with_nnodes_2_form_one_world_of_4_and_train_equivalently(
 
 
 def test_a_killed_rank_ends_the_job_within_seconds_naming_it(tmp_path):
-    proc, log = _start(["-n", "2", str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
+    proc, log = start(["-n", "2", str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
     pid_files = [tmp_path / f"pid.0.{r}" for r in range(2)]
     _wait_for(pid_files, proc, 120)
     pids = [int(p.read_text()) for p in pid_files]
     os.kill(pids[1], signal.SIGKILL)
     killed_at = time.monotonic()
-    code = _finish(proc, 60)
+    code = finish(proc, 60)
     elapsed = time.monotonic() - killed_at
     text = log.read_text()
     assert code != 0 and elapsed < 30, text
@@ -134,11 +95,11 @@ def test_a_killed_rank_ends_the_job_within_seconds_naming_it(tmp_path):
 
 
 def test_max_restarts_restarts_the_workers_and_the_job_completes(tmp_path):
-    proc, log = _start(["-n", "2", "--max-restarts", "1", "--mixed-precision", "bf16",
+    proc, log = start(["-n", "2", "--max-restarts", "1", "--mixed-precision", "bf16",
                         str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
     _wait_for([tmp_path / f"pid.0.{r}" for r in range(2)], proc, 120)
     os.kill(int((tmp_path / "pid.0.1").read_text()), signal.SIGKILL)
-    code = _finish(proc, 150)
+    code = finish(proc, 150)
     assert code == 0, log.read_text()
     assert all((tmp_path / f"pid.1.{r}").exists() for r in range(2))  # a second attempt ran
     for r in range(2):
@@ -147,13 +108,13 @@ def test_max_restarts_restarts_the_workers_and_the_job_completes(tmp_path):
 
 
 def test_a_node_that_never_comes_fails_within_the_rendezvous_timeout(tmp_path):
-    start = time.monotonic()
-    proc, log = _start(["--nnodes", "2", "--node-rank", "0", "--master",
+    began = time.monotonic()
+    proc, log = start(["--nnodes", "2", "--node-rank", "0", "--master",
                         f"127.0.0.1:{_free_port()}", "--rdzv-conf", "join_timeout=3", "-n", "1",
                         str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
-    code = _finish(proc, 90)
+    code = finish(proc, 90)
     text = log.read_text()
-    assert code == 1 and time.monotonic() - start < 60, text
+    assert code == 1 and time.monotonic() - began < 60, text
     assert "rendezvous at 127.0.0.1" in text and "did not complete with 2 node(s)" in text
     assert "join_timeout" in text
     assert not list(tmp_path.glob("pid.*"))  # no worker ever started

@@ -9,56 +9,22 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from ._launcher import ROOT, SCRIPTS, finish, start, stop_all
+
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "tests" / "scripts" / "exit_or_wait.py"
-ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
-_STARTED: list[subprocess.Popen[bytes]] = []
+SCRIPT = SCRIPTS / "exit_or_wait.py"
 
 
 @pytest.fixture(autouse=True)
 def _no_job_left_behind():
     yield
-    while _STARTED:
-        _kill(_STARTED.pop())
-
-
-def _kill(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None):
-    (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    path = tmp_path / log
-    with path.open("wb") as out:
-        proc = subprocess.Popen([ACCEL_CTX, "launch", *args], cwd=cwd or tmp_path, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    _STARTED.append(proc)
-    return proc, path
-
-
-def _finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill(proc)
-        raise
+    stop_all()
 
 
 def _alive(pid: int) -> bool:
@@ -71,13 +37,13 @@ def _alive(pid: int) -> bool:
 
 
 def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on_ctrl_c(tmp_path):
-    proc, log = _start(["-n", "2", str(SCRIPT), "exit", "3"], tmp_path, "exit.log")
-    code = _finish(proc, 120)
+    proc, log = start(["-n", "2", str(SCRIPT), "exit", "3"], tmp_path, "exit.log")
+    code = finish(proc, 120)
     text = log.read_text()
     assert code == 3, text
     assert "rank 1 (local rank 1" in text and "exited with code 3" in text
 
-    proc, log = _start(["-n", "2", str(SCRIPT), "wait", str(tmp_path)], tmp_path, "int.log")
+    proc, log = start(["-n", "2", str(SCRIPT), "wait", str(tmp_path)], tmp_path, "int.log")
     pid_files = [tmp_path / f"pid.{r}" for r in range(2)]
     deadline = time.monotonic() + 120
     while not all(p.exists() for p in pid_files):
@@ -85,7 +51,7 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in pid_files]
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
-    code = _finish(proc, 60)
+    code = finish(proc, 60)
     lines = log.read_text().splitlines()
     assert code == 130, lines
     assert lines == ["accel-ctx launch: interrupted (Ctrl-C); every worker was stopped."]
@@ -97,16 +63,16 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
 
 def test_the_demo_follows_the_launchers_precision_and_a_conflict_is_said_once(tmp_path):
     demo = [str(ROOT / "examples" / "train.py"), "--epochs", "1"]
-    proc, log = _start(["-n", "2", "--mixed-precision", "bf16", *demo], tmp_path, "bf16.log")
-    assert _finish(proc, 180) == 0, log.read_text()[-3000:]
+    proc, log = start(["-n", "2", "--mixed-precision", "bf16", *demo], tmp_path, "bf16.log")
+    assert finish(proc, 180) == 0, log.read_text()[-3000:]
     text = log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
     assert len(epochs) == 1 and epochs[0].endswith("(2 processes on cpu) in bf16"), text
     assert "overrides" not in text
 
-    proc, log = _start(["-n", "2", "--mixed-precision", "bf16", *demo, "--precision", "no"],
+    proc, log = start(["-n", "2", "--mixed-precision", "bf16", *demo, "--precision", "no"],
                        tmp_path, "no.log")
-    assert _finish(proc, 180) == 0, log.read_text()[-3000:]
+    assert finish(proc, 180) == 0, log.read_text()[-3000:]
     text = log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
     assert len(epochs) == 1 and epochs[0].endswith("in fp32"), text  # the explicit one wins

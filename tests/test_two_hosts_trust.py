@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._launcher import SCRIPTS, start, stop, stop_all
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "tests" / "scripts"
-ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 BATCH = 8
 HOSTS = ("10.77.0.1", "10.77.0.2")
 
@@ -67,18 +64,10 @@ def two_hosts():
             _ip("link", "del", hosts[0][1])  # still in this namespace if a step failed early
 
 
-def _start(ns: str, args: list[str], tmp_path: Path, log: str):
-    (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    path = tmp_path / log
-    with path.open("wb") as out:
-        proc = subprocess.Popen(["ip", "netns", "exec", ns, ACCEL_CTX, "launch", *args],
-                                cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    return proc, path
+def _start(ns: str, args: list[str], tmp_path: Path, log: str
+           ) -> tuple[subprocess.Popen[bytes], Path]:
+    return start(args, tmp_path, log, prefix=("ip", "netns", "exec", ns),
+                 drop=("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"))
 
 
 def _finish_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[int | None]:
@@ -91,14 +80,14 @@ def _finish_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[in
                 codes.append(None)  # hung: reported by the caller's assert
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+            stop(proc, grace=30)
     return codes
+
+
+@pytest.fixture(autouse=True)
+def _no_job_left_behind():
+    yield
+    stop_all()
 
 
 def test_two_hosts_whose_names_resolve_to_loopback_train_as_one_process(two_hosts, tmp_path):

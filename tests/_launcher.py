@@ -1,0 +1,66 @@
+"""Running `accel-ctx launch` from tests: start in a session of its own, wait, never leave it running.
+
+Every command runs with a timeout; past it the launcher gets SIGTERM (torchrun then stops its
+workers, which run in sessions of their own) and, if that is not enough, SIGKILL, so a test can
+fail but never hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "tests" / "scripts"
+ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
+
+# Launchers started by the running test; its module's autouse fixture calls stop_all().
+STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def stop(proc: subprocess.Popen[bytes], grace: float = 40) -> None:
+    """SIGTERM the launcher's process group, then SIGKILL it if it outlives ``grace`` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def stop_all() -> None:
+    """Whatever a test left running (it failed early) is stopped with its workers."""
+    while STARTED:
+        stop(STARTED.pop())
+
+
+def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
+          prefix: tuple[str, ...] = (), drop: tuple[str, ...] = ()
+          ) -> tuple[subprocess.Popen[bytes], Path]:
+    """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
+    ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit."""
+    (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    for var in drop:
+        env.pop(var, None)
+    path = tmp_path / log
+    with path.open("wb") as out:
+        proc = subprocess.Popen([*prefix, ACCEL_CTX, "launch", *args], cwd=cwd or tmp_path,
+                                env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    STARTED.append(proc)
+    return proc, path
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
+    """The launcher's exit code; past ``timeout`` it is stopped and TimeoutExpired raised."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise
