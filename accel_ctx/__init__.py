@@ -13,16 +13,18 @@ Example:
     1
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from . import errors
 from ._accumulate import accumulate, no_sync
 from ._broadcast import broadcast, broadcast_object
-from ._checkpoint import Resumed, load_state, save_state
-from ._checkpoint_model import save_model
 from ._clip import clip_grad_norm_, clip_grad_value_
 from ._collectives import gather, gather_object, pad_across_processes, reduce
 from ._distributed import DistributedOptions, distributed
 from ._evaluation import gather_for_metrics, split_between_processes
-from ._launch import launch
 from ._logging import get_logger, main_print
 from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
 from ._process import (
@@ -34,6 +36,11 @@ from ._process import (
     wait_for_everyone,
 )
 from ._state import State, state
+
+if TYPE_CHECKING:
+    from ._checkpoint import Resumed, load_state, save_state
+    from ._checkpoint_model import save_model
+    from ._launch import launch
 
 __all__ = [
     "DistributedOptions",
@@ -75,11 +82,24 @@ __version__ = "0.1.0"
 
 for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_precision",
               "PrecisionPolicy", "autocast_forward", "accumulate", "no_sync",
-              "Resumed", "save_state", "load_state", "save_model",
               "clip_grad_norm_", "clip_grad_value_",
               "on_main_process", "on_local_main_process", "on_process", "on_last_process",
               "main_process_first", "wait_for_everyone", "main_print", "gather", "gather_object",
               "reduce", "broadcast", "broadcast_object", "pad_across_processes",
-              "gather_for_metrics", "split_between_processes", "get_logger", "launch"):
+              "gather_for_metrics", "split_between_processes", "get_logger"):
     globals()[_name].__module__ = __name__
 del _name
+
+# The checkpoint and launcher wings load on first use, so `import accel_ctx` stays cheap.
+_LAZY = {"Resumed": "_checkpoint", "save_state": "_checkpoint", "load_state": "_checkpoint",
+         "save_model": "_checkpoint_model", "launch": "_launch"}
+
+
+def __getattr__(name: str) -> Any:
+    home = _LAZY.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{home}", __name__), name)
+    value.__module__ = __name__
+    globals()[name] = value
+    return value
