@@ -180,17 +180,30 @@ def _diagnose(host: str, port: int) -> str:
 
 def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
     """Wait in ``store`` until all ranks arrived; fail fast on a world-size or rank clash."""
+    try:
+        _await_peers(store, launch, waiter)
+    except RendezvousError:
+        raise
+    except Exception as exc:  # the store itself went away: its host (rank 0) has stopped
+        raise waiter.fail(
+            f"the rendezvous store closed while this rank waited ({exc}): rank 0, which serves "
+            "it, most likely stopped",
+            "See rank 0's message for the cause (for example ranks started with different "
+            "WORLD_SIZE).",
+        ) from exc
+
+
+def _await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
     world, rank = launch.world_size, launch.rank
     seen = store.compare_set("rdzv/world_size", "", str(world)).decode()
     if seen != str(world):
         cause = (f"world size mismatch seen in the store: rank {rank} was started with "
                  f"WORLD_SIZE={world}, a rank before it with WORLD_SIZE={seen}")
-        store.set("rdzv/problem", cause)
-        raise waiter.fail(cause, "Start every rank of the job with the same WORLD_SIZE.")
+        raise _report(store, rank, cause, waiter,
+                      "Start every rank of the job with the same WORLD_SIZE.")
     if store.add(f"rdzv/rank/{rank}", 1) > 1:
-        cause = f"two processes were started with RANK={rank}"
-        store.set("rdzv/problem", cause)
-        raise waiter.fail(cause, "Give every process its own RANK from 0 to WORLD_SIZE-1.")
+        raise _report(store, rank, f"two processes were started with RANK={rank}", waiter,
+                      "Give every process its own RANK from 0 to WORLD_SIZE-1.")
     arrived = store.add("rdzv/arrived", 1)
     if arrived >= world:
         store.set("rdzv/all", "1")
@@ -202,6 +215,7 @@ def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
             pass
         if store.check(["rdzv/problem"]):
             cause = store.get("rdzv/problem").decode()
+            store.add("rdzv/problem_seen", 1)
             raise waiter.fail(f"another rank reports: {cause}",
                               "Start every rank of the job with the same settings.")
         arrived = store.add("rdzv/arrived", 0)
@@ -213,6 +227,21 @@ def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
                 "address, or raise distributed(timeout=...) if start-up is slow.",
             )
         waiter.tick(f"{arrived} of {world} arrived")
+
+
+def _report(store: Store, rank: int, cause: str, waiter: Waiter, fix: str) -> RendezvousError:
+    """Publish ``cause`` for the waiting ranks; the error for this one.
+
+    Rank 0 serves the store (env:// and tcp://): it stays a moment, until the ranks already
+    waiting have read the cause, so that its exit does not leave them only "connection closed".
+    """
+    store.set("rdzv/problem", cause)
+    if rank == 0:
+        waiting = int(store.add("rdzv/arrived", 0))
+        until = time.monotonic() + min(5.0, max(0.0, waiter.left()))
+        while int(store.add("rdzv/problem_seen", 0)) < waiting and time.monotonic() < until:
+            time.sleep(0.05)
+    return waiter.fail(cause, fix)
 
 
 def _missing(store: Store, world: int) -> str:
