@@ -38,6 +38,16 @@ def stop_all() -> None:
         stop(STARTED.pop())
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "zombie" in status.read_text())
+
+
 def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
           prefix: tuple[str, ...] = (), drop: tuple[str, ...] = ()
           ) -> tuple[subprocess.Popen[bytes], Path]:

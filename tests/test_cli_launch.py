@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._launcher import SCRIPTS, finish, start, stop, stop_all
+from ._launcher import SCRIPTS, alive, finish, start, stop, stop_all
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -44,15 +44,6 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[bytes], timeout: float) 
             stop(proc)
             pytest.fail(f"the workers never started: {[p.name for p in paths]} missing")
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "zombie" in status.read_text())
 
 
 def test_two_launchers_with_nnodes_2_form_one_world_of_4_and_train_equivalently(tmp_path):
@@ -90,7 +81,7 @@ def test_a_killed_rank_ends_the_job_within_seconds_naming_it(tmp_path):
     text = log.read_text()
     assert code != 0 and elapsed < 30, text
     assert "rank 1 (local rank 1" in text and "SIGKILL" in text and "--max-restarts" in text
-    assert not _alive(pids[0])  # the surviving rank was stopped too
+    assert not alive(pids[0])  # the surviving rank was stopped too
     assert not list(tmp_path.glob("done.*"))
 
 

@@ -10,11 +10,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import pytest
 
-from ._launcher import ROOT, SCRIPTS, finish, start, stop_all
+from ._launcher import ROOT, SCRIPTS, alive, finish, start, stop_all
 
 pytestmark = pytest.mark.slow
 
@@ -25,15 +24,6 @@ SCRIPT = SCRIPTS / "exit_or_wait.py"
 def _no_job_left_behind():
     yield
     stop_all()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    status = Path(f"/proc/{pid}/status")
-    return not (status.exists() and "zombie" in status.read_text())
 
 
 def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on_ctrl_c(tmp_path):
@@ -56,9 +46,9 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
     assert code == 130, lines
     assert lines == ["accel-ctx launch: interrupted (Ctrl-C); every worker was stopped."]
     deadline = time.monotonic() + 30
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
 
 
 def test_the_demo_follows_the_launchers_precision_and_a_conflict_is_said_once(tmp_path):
