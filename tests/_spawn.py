@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -39,6 +40,13 @@ def _child(
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+def free_port() -> int:
+    """A loopback port free at this moment (for tests that need MASTER_PORT-style addresses)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def rank_env(rank: int, world: int, store_dir: Path, **extra: str) -> dict[str, str]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -18,17 +17,12 @@ import pytest
 import torch
 
 from ._launcher import SCRIPTS, alive, finish, start, stop, stop_all
+from ._spawn import free_port
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
 
 BATCH = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(autouse=True)
@@ -49,7 +43,7 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[bytes], timeout: float) 
 def test_two_launchers_with_nnodes_2_form_one_world_of_4_and_train_equivalently(tmp_path):
     out = tmp_path / "params"
     out.mkdir()
-    master = f"127.0.0.1:{_free_port()}"
+    master = f"127.0.0.1:{free_port()}"
     script = [str(SCRIPTS / "train_save.py"), str(out), str(BATCH)]
     nodes = [
         start(["--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "2",
@@ -101,7 +95,7 @@ def test_max_restarts_restarts_the_workers_and_the_job_completes(tmp_path):
 def test_a_node_that_never_comes_fails_within_the_rendezvous_timeout(tmp_path):
     began = time.monotonic()
     proc, log = start(["--nnodes", "2", "--node-rank", "0", "--master",
-                        f"127.0.0.1:{_free_port()}", "--rdzv-conf", "join_timeout=3", "-n", "1",
+                        f"127.0.0.1:{free_port()}", "--rdzv-conf", "join_timeout=3", "-n", "1",
                         str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
     code = finish(proc, 90)
     text = log.read_text()

@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from accel_ctx import _env
 from accel_ctx.errors import LaunchEnvironmentError
 
-from ._spawn import spawn
+from ._spawn import free_port, spawn
 from .workers import launch_envs
 from .workers.common import params, train
 
 BATCH = 8
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _srun(rank: int, world: int, port: int) -> dict[str, str]:
@@ -48,8 +40,8 @@ def _mpirun(rank: int, world: int, port: int) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     shapes = {
-        "slurm": [_srun(r, 2, _free_port()) for r in range(2)],
-        "mpi": [_mpirun(r, 2, _free_port()) for r in range(2)],
+        "slurm": [_srun(r, 2, free_port()) for r in range(2)],
+        "mpi": [_mpirun(r, 2, free_port()) for r in range(2)],
     }
     for shape in shapes.values():  # every rank of a job agrees on the port
         for variables in shape:
@@ -72,7 +64,7 @@ def test_srun_and_mpirun_ranks_form_one_job_and_train_equivalently(trained, shap
 
 @pytest.mark.slow
 def test_a_missing_peer_fails_within_the_timeout(tmp_path):
-    variables = _srun(0, 2, _free_port())
+    variables = _srun(0, 2, free_port())
     [result] = spawn(launch_envs.lonely_rank, 1, tmp_path, variables, 3.0,
                      env=lambda r: {"OMP_NUM_THREADS": "1"})
     assert result["error"] is not None and "rank 0 of 2" in result["error"]

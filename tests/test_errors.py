@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 
 from accel_ctx import accumulate, distributed, mixed_precision
 from accel_ctx.errors import ConfigurationError, LaunchEnvironmentError, RendezvousError
+
+from ._spawn import free_port
 
 
 @pytest.mark.parametrize(
@@ -29,12 +30,6 @@ def test_inconsistent_launch_environment(monkeypatch, env, message):
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_missing_peer_fails_within_the_timeout(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -49,7 +44,7 @@ def test_unreachable_rank_zero_fails_within_the_timeout(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     start = time.monotonic()
     with pytest.raises(RendezvousError, match="rank 1 of 2"), distributed(timeout=2):
         pass

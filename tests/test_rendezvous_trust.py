@@ -11,16 +11,10 @@ import socket
 
 import pytest
 
-from ._spawn import spawn
+from ._spawn import free_port, spawn
 from .workers import rendezvous_trust
 
 TIMEOUT = 6.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -34,7 +28,7 @@ def broken_jobs(tmp_path_factory):
         held.bind(("127.0.0.1", 0))
         held.listen(8)
         held_port = held.getsockname()[1]
-        mismatch, alone, nobody = _free_port(), _free_port(), _free_port()
+        mismatch, alone, nobody = free_port(), free_port(), free_port()
         envs = [
             _env(0, 2, mismatch), _env(1, 3, mismatch),  # world sizes disagree
             _env(0, 2, held_port), _env(1, 2, held_port),  # port held by another program
