@@ -35,7 +35,7 @@ from ._process import (
     on_process,
     wait_for_everyone,
 )
-from ._state import State, state
+from ._status import State, state
 
 if TYPE_CHECKING:
     from ._checkpoint import Resumed, load_state, save_state

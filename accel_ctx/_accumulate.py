@@ -19,21 +19,31 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 
-from . import _state
+from ._concern import Concern, ForwardCall, Params
 from ._scope import Scope
+from ._session import OptimizerRecord, Session
 from ._warn import warn_user
 from .errors import ConfigurationError
 
 
-class _PausesEngines:
-    """Remembers the user's own DDP engines whose sync flag a scope set, to set it back."""
+class _PausesEngines(Concern):
+    """Sets the gradient sync of the user's own DDP engines, and sets it back at the end."""
 
     def __init__(self) -> None:
-        self._engines: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._engines: weakref.WeakSet[nn.parallel.DistributedDataParallel] = weakref.WeakSet()
 
-    def pause(self, engine: Any) -> None:
-        self._engines.add(engine)
+    def _vote(self, call: ForwardCall, session: Session) -> bool:
+        raise NotImplementedError
+
+    def before_forward(self, call: ForwardCall, session: Session) -> None:
+        engine = call.engine
+        if engine is None or not call.grad:
+            return
+        call.sync = self._vote(call, session) and call.sync is not False
+        if engine is call.module:  # the user's own DDP: set back when this scope closes
+            self._engines.add(engine)
 
     def close(self) -> None:
         for engine in list(self._engines):
@@ -43,6 +53,8 @@ class _PausesEngines:
 class AccumulateRuntime(_PausesEngines):
     """Counters of one ``accumulate(k)`` entry."""
 
+    slot, order = "accumulate", 10
+
     def __init__(self, steps: int) -> None:
         super().__init__()
         self.steps = steps
@@ -50,10 +62,9 @@ class AccumulateRuntime(_PausesEngines):
         self.groups = 0  # completed groups
         self.size: int | None = None  # size of the current group, decided at its start
         self.sync_gradients = True  # the last backward closed a group (or none happened yet)
-        self.correction: list[torch.Tensor] = []
         self._warned_double_step = False
 
-    def _group_size(self, session: _state.Session) -> int:
+    def _group_size(self, session: Session) -> int:
         if self.size is None:
             size = self.steps
             loader = session.driving_loader()
@@ -63,18 +74,18 @@ class AccumulateRuntime(_PausesEngines):
             self.size = size
         return self.size
 
-    def will_sync(self, session: _state.Session) -> bool:
+    def _vote(self, call: ForwardCall, session: Session) -> bool:
         """Whether the backward of the forward about to run closes the group."""
         loader = session.driving_loader()
         return self.micro + 1 >= self._group_size(session) or (
             loader is not None and loader.is_last
         )
 
-    def scale_loss(self, loss: torch.Tensor, session: _state.Session) -> torch.Tensor:
+    def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
         size = self._group_size(session)
         return loss / size if size > 1 else loss
 
-    def after_backward(self, session: _state.Session, params: Any) -> None:
+    def after_backward(self, session: Session, params: Params) -> None:
         self.micro += 1
         size = self._group_size(session)
         loader = session.driving_loader()
@@ -88,7 +99,7 @@ class AccumulateRuntime(_PausesEngines):
         else:
             self.sync_gradients = False
 
-    def step_allowed(self, record: _state.OptimizerRecord) -> bool:
+    def allows_step(self, record: OptimizerRecord) -> bool:
         if not self.sync_gradients:
             return False
         if record.last_group == self.groups:
@@ -103,8 +114,26 @@ class AccumulateRuntime(_PausesEngines):
         record.last_group = self.groups
         return True
 
+    def allows_zero_grad(self) -> bool:
+        return self.sync_gradients
 
-def _rescale_grads(params: Any, factor: float) -> None:
+    def defers_clipping(self) -> bool:
+        return not self.sync_gradients
+
+    def restart_group(self) -> None:
+        """Drop the group in progress: the next backward starts a new one."""
+        self.micro, self.size, self.sync_gradients = 0, None, True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "micro": self.micro, "groups": self.groups,
+                "size": self.size, "sync_gradients": self.sync_gradients}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro, self.groups = int(state["micro"]), int(state["groups"])
+        self.size, self.sync_gradients = state["size"], bool(state["sync_gradients"])
+
+
+def _rescale_grads(params: list[torch.Tensor], factor: float) -> None:
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         torch._foreach_mul_(grads, factor)
@@ -132,7 +161,6 @@ class accumulate(Scope):
         2
     """
 
-    concern = "accumulate"
 
     def __init__(self, steps: int) -> None:
         super().__init__()
@@ -155,6 +183,11 @@ class accumulate(Scope):
 class NoSyncRuntime(_PausesEngines):
     """Forwards inside skip DDP's gradient all-reduce."""
 
+    slot, order = "sync", 20
+
+    def _vote(self, call: ForwardCall, session: Session) -> bool:
+        return False
+
 
 class no_sync(Scope):
     """Skip the gradient all-reduce of backward passes whose forward ran inside the scope.
@@ -173,7 +206,6 @@ class no_sync(Scope):
         ...     model(torch.randn(4, 2)).sum().backward()
     """
 
-    concern = "sync"
 
     def _open(self, exits: ExitStack) -> NoSyncRuntime:
         runtime = NoSyncRuntime()

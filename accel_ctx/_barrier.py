@@ -31,10 +31,11 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
+from . import _progress
 from .errors import DistributedError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 _OK = "ok"
 _FAILED = "failed: "
@@ -43,7 +44,7 @@ _BLAME = "blame: "
 
 
 class _SyncRecord:
-    """Sync-point bookkeeping of one process group (one base ``DistributedRuntime``)."""
+    """Sync-point bookkeeping of one process group (one root ``Job``)."""
 
     __slots__ = ("completed", "pending", "prefix", "store")
 
@@ -54,8 +55,8 @@ class _SyncRecord:
         self.pending = 0  # the point being waited at (0: none)
 
 
-# Keyed by the base runtime: nested distributed() scopes share their outer scope's group.
-_records: weakref.WeakKeyDictionary[DistributedRuntime, _SyncRecord] = (
+# Keyed by the root job: nested distributed() scopes share their outer scope's group.
+_records: weakref.WeakKeyDictionary[Job, _SyncRecord] = (
     weakref.WeakKeyDictionary()
 )
 # A process group the user formed outside accel_ctx is reused by later scopes with the same
@@ -65,8 +66,8 @@ _generations = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _record(runtime: DistributedRuntime) -> _SyncRecord:
-    base = runtime.base
+def _record(job: Job) -> _SyncRecord:
+    base = job.root
     with _lock:
         record = _records.get(base)
         if record is None:
@@ -75,14 +76,14 @@ def _record(runtime: DistributedRuntime) -> _SyncRecord:
         return record
 
 
-def store_and_prefix(runtime: DistributedRuntime) -> tuple[Store, str]:
-    """The store and key prefix of ``runtime``'s process group (progress records live there)."""
-    record = _record(runtime)
+def store_and_prefix(job: Job) -> tuple[Store, str]:
+    """The store and key prefix of ``job``'s process group (progress records live there)."""
+    record = _record(job)
     return record.store, record.prefix
 
 
 def sync_point(
-    runtime: DistributedRuntime, label: str, signature: str | None = None, read: bool = False
+    job: Job, label: str, signature: str | None = None, read: bool = False
 ) -> list[str]:
     """Wait until every rank reaches its matching sync point.
 
@@ -90,13 +91,13 @@ def sync_point(
     rank says about it (defaults to the label). ``read=True`` returns every rank's signature, in
     rank order, for the caller to compare (debug mode); otherwise an empty list.
     """
-    record = _record(runtime)
-    store, rank, world = record.store, runtime.rank, runtime.world_size
+    record = _record(job)
+    store, rank, world = record.store, job.rank, job.world_size
     n = record.completed + 1
     record.pending = n
     point = f"{record.prefix}/{n}"
-    timeout = runtime.options.timeout
-    runtime.progress.enter(label)
+    timeout = job.options.timeout
+    job.progress.enter(label)
     try:
         store.set(f"{point}/arrived/{rank}", signature if signature is not None else label)
         if store.add(f"{point}/count", 1) == world:
@@ -112,14 +113,14 @@ def sync_point(
         if isinstance(exc, DistributedError):
             raise
         # A timeout, or the store's host (rank 0 with a TCP store) went away.
-        text, missing = _stalled(runtime, record, point, label, timeout.total_seconds(), exc)
+        text, missing = _stalled(job, record, point, label, timeout.total_seconds(), exc)
         error = DistributedError(text)
         error.culprit = missing[0] if missing else None  # type: ignore[attr-defined]
         raise error from exc
     finally:
         record.pending = 0
     record.completed = n
-    runtime.progress.phase = f"after {label}"
+    job.progress.phase = f"after {label}"
     _forget(record, n - 1, rank)
     return signatures
 
@@ -153,10 +154,10 @@ def _refused(rank: int, label: str, verdict: str) -> DistributedError:
 
 
 def _stalled(
-    runtime: DistributedRuntime, record: _SyncRecord, point: str, label: str, seconds: float,
+    job: Job, record: _SyncRecord, point: str, label: str, seconds: float,
     exc: BaseException,
 ) -> tuple[str, list[int]]:
-    rank, world = runtime.rank, runtime.world_size
+    rank, world = job.rank, job.world_size
     try:
         missing = [
             r for r in range(world) if not record.store.check([f"{point}/arrived/{r}"])
@@ -166,9 +167,7 @@ def _stalled(
             f"rank {rank}: {label} lost the rendezvous store ({exc}). The rank hosting it (rank "
             "0 with a TCP store) has most likely exited: see its output for the cause."
         ), []
-    from ._blame import whereabouts
-
-    where = whereabouts(runtime, missing)
+    where = whereabouts(job, missing)
     return (
         f"rank {rank}: {label} waited {seconds:g} s for rank(s) {missing}, which never arrived "
         f"({exc}){f'; {where}' if where else ''}. They are stuck, dead, or skipped this call: "
@@ -188,7 +187,7 @@ def _forget(record: _SyncRecord, n: int, rank: int) -> None:
             record.store.delete_key(f"{point}/done")
 
 
-def announce_failure(runtime: DistributedRuntime, what: str, kind: str = "failed",
+def announce_failure(job: Job, what: str, kind: str = "failed",
                      culprit: int | None = None) -> None:
     """Mark the next sync point failed: the ranks waiting there raise, naming ``what``.
 
@@ -197,11 +196,32 @@ def announce_failure(runtime: DistributedRuntime, what: str, kind: str = "failed
     ``culprit``: the rank to blame (default: this one), for the launchers' summaries.
     Called while an exception propagates, so it never raises itself.
     """
-    if runtime.world_size == 1:
+    if job.world_size == 1:
         return
     with contextlib.suppress(Exception):
-        record = _record(runtime)
+        record = _record(job)
         n = record.pending or record.completed + 1
         prefix = {"left": _LEFT, "blame": _BLAME}.get(kind, _FAILED)
-        rank = runtime.rank if culprit is None else culprit
+        rank = job.rank if culprit is None else culprit
         record.store.compare_set(f"{record.prefix}/{n}/done", "", f"{prefix}{rank}|{what}")
+
+
+def whereabouts(job: Job, ranks: list[int]) -> str:
+    """Where the given ranks last reported to be, for a barrier's timeout message ('' if none)."""
+    with contextlib.suppress(Exception):
+        store, prefix = store_and_prefix(job)
+        records = _progress.read(store, prefix, job.world_size)
+        parts = []
+        for r in ranks:
+            rec = records.get(r)
+            if rec is None:
+                continue
+            state = rec.get("state")
+            if state == _progress.LEFT:
+                parts.append(f"rank {r} left distributed() at {_progress.describe(rec)}")
+            elif _progress.process_gone(rec):
+                parts.append(f"rank {r}'s process died (last seen at {_progress.describe(rec)})")
+            else:
+                parts.append(f"rank {r} is at {_progress.describe(rec)}")
+        return "; ".join(parts)
+    return ""

@@ -34,7 +34,7 @@ from . import _progress, _state
 from .errors import AccelCtxError, DistributedError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,10 +53,10 @@ def looks_distributed(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in text for m in _MARKERS)
 
 
-def reraise(runtime: DistributedRuntime, exc: BaseException, doing: str) -> None:
+def reraise(job: Job, exc: BaseException, doing: str) -> None:
     """Raise a DistributedError naming the culprit if ``exc`` is a communication failure."""
-    if runtime.world_size > 1 and looks_distributed(exc):
-        raise failure(runtime, exc, doing) from exc
+    if job.world_size > 1 and looks_distributed(exc):
+        raise failure(job, exc, doing) from exc
 
 
 def refuse_rank_only(call: str, what: str = "the collective") -> None:
@@ -78,16 +78,16 @@ def collective(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         stack = _state.current()
-        runtime = stack.dist if stack is not None else None
-        if runtime is None or runtime.world_size == 1:
+        job = stack.job if stack is not None else None
+        if job is None or job.world_size == 1:
             return fn(*args, **kwargs)
         refuse_rank_only(name)
-        progress = runtime.progress
+        progress = job.progress
         progress.enter(name)
         try:
             result = fn(*args, **kwargs)
         except Exception as exc:
-            reraise(runtime, exc, name)
+            reraise(job, exc, name)
             raise
         progress.phase = after
         return result
@@ -98,12 +98,12 @@ def collective(fn: Callable[P, R]) -> Callable[P, R]:
 # ------------------------------------------------------------------------------------------------
 # the verdict
 # ------------------------------------------------------------------------------------------------
-def failure(runtime: DistributedRuntime, exc: BaseException, doing: str) -> DistributedError:
+def failure(job: Job, exc: BaseException, doing: str) -> DistributedError:
     """The error to raise instead of ``exc``; marks this rank failed, blaming the culprit."""
-    me = runtime.rank
+    me = job.rank
     timed_out = any(word in str(exc).lower() for word in ("timed out", "timeout"))
     try:
-        culprits, summary, advice = _judge(runtime, doing, timed_out)
+        culprits, summary, advice = _judge(job, doing, timed_out)
     except Exception:  # the store is gone too: its host (rank 0 or the launcher) has exited
         culprits, summary, advice = [], (
             f"rank {me} lost its connection to the other ranks in {doing}, and the rendezvous "
@@ -113,32 +113,32 @@ def failure(runtime: DistributedRuntime, exc: BaseException, doing: str) -> Dist
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     error = DistributedError(f"rank {me}: {summary}. {advice} (torch: {first[:300]})")
     error.culprit = culprits[0] if culprits else None  # type: ignore[attr-defined]
-    progress = runtime.progress
+    progress = job.progress
     progress.state, progress.detail, progress.blames = _progress.FAILED, summary, culprits
-    beat = runtime.base.heartbeat
+    beat = job.root.heartbeat
     if beat is not None:
         beat.publish(dist.distributed_c10d._get_default_store())
     from ._barrier import announce_failure
 
-    announce_failure(runtime, summary, "blame", culprits[0] if culprits else None)
+    announce_failure(job, summary, "blame", culprits[0] if culprits else None)
     if error.culprit is not None:  # type: ignore[attr-defined]
         write_error_file(error, error.culprit, exc)  # type: ignore[attr-defined]
     return error
 
 
-def _judge(runtime: DistributedRuntime, doing: str, timed_out: bool
+def _judge(job: Job, doing: str, timed_out: bool
            ) -> tuple[list[int], str, str]:
     from ._barrier import store_and_prefix
 
-    store, prefix = store_and_prefix(runtime)
-    me, world = runtime.rank, runtime.world_size
+    store, prefix = store_and_prefix(job)
+    me, world = job.rank, job.world_size
     records = _progress.read(store, prefix, world)
-    found = _culprits(records, me, runtime.progress, doing, timed_out)
+    found = _culprits(records, me, job.progress, doing, timed_out)
     if found is None:  # wait a few beats: a process frozen or gone on another machine
         beats = {r: rec.get("beat") for r, rec in records.items()}
         time.sleep(2.5 * _progress.INTERVAL_S)
         records = _progress.read(store, prefix, world)
-        found = _culprits(records, me, runtime.progress, doing, timed_out)
+        found = _culprits(records, me, job.progress, doing, timed_out)
         if found is None:
             frozen = [r for r, rec in records.items()
                       if r != me and rec.get("beat") == beats.get(r)]
@@ -220,29 +220,6 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
             "save on that rank alone), raise distributed(timeout=...)."
         )
     return None
-
-
-def whereabouts(runtime: DistributedRuntime, ranks: list[int]) -> str:
-    """Where the given ranks last reported to be, for a barrier's timeout message ('' if none)."""
-    from ._barrier import store_and_prefix
-
-    with contextlib.suppress(Exception):
-        store, prefix = store_and_prefix(runtime)
-        records = _progress.read(store, prefix, runtime.world_size)
-        parts = []
-        for r in ranks:
-            rec = records.get(r)
-            if rec is None:
-                continue
-            state = rec.get("state")
-            if state == _progress.LEFT:
-                parts.append(f"rank {r} left distributed() at {_progress.describe(rec)}")
-            elif _progress.process_gone(rec):
-                parts.append(f"rank {r}'s process died (last seen at {_progress.describe(rec)})")
-            else:
-                parts.append(f"rank {r} is at {_progress.describe(rec)}")
-        return "; ".join(parts)
-    return ""
 
 
 # ------------------------------------------------------------------------------------------------

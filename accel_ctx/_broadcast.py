@@ -19,12 +19,12 @@ import torch.distributed as dist
 
 from . import _debug
 from ._blame import collective
-from ._collectives import comm_device, group_runtime
+from ._collectives import group_job
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError, DistributedError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 T = TypeVar("T")
 _CALLS = {"broadcast": 1, "broadcast_object": 2}
@@ -59,22 +59,22 @@ def broadcast(tensors: T, src: int = 0) -> T:
         >>> broadcast({"seed": torch.tensor(42)}, src=0)
         {'seed': tensor(42)}
     """
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         if src != 0:
             raise ConfigurationError(f"broadcast(src={src}): a single process has only rank 0.")
         return tensors
-    me = runtime.rank == src
-    _debug.check(runtime, f"broadcast(src={src})")
+    me = job.rank == src
+    _debug.check(job, f"broadcast(src={src})")
     leaves = list(iter_tensors(tensors)) if me else []
-    skeleton = _send_object(runtime, "broadcast", map_tensors(tensors, _Slot) if me else None,
+    skeleton = _send_object(job, "broadcast", map_tensors(tensors, _Slot) if me else None,
                             src)
     slots: list[_Slot] = []
     map_tensors(skeleton, lambda t: t, lambda o: slots.append(o) if isinstance(o, _Slot) else o)
     received: dict[int, torch.Tensor] = {}
     for (dtype, accelerated), group in _groups(slots, lambda s: (s.dtype, s.accelerated)).items():
-        home = runtime.device if accelerated else torch.device("cpu")
-        device = comm_device(runtime, home)
+        home = job.device if accelerated else torch.device("cpu")
+        device = job.comm_device(home)
         sizes = [_numel(slots[i].shape) for i in group]
         if me:
             flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
@@ -103,26 +103,26 @@ def broadcast_object(obj: T, src: int = 0) -> T:
         >>> broadcast_object({"run_name": "baseline"})
         {'run_name': 'baseline'}
     """
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         if src != 0:
             raise ConfigurationError(
                 f"broadcast_object(src={src}): a single process has only rank 0."
             )
         return obj
-    _debug.check(runtime, f"broadcast_object(src={src})")
-    received = _send_object(runtime, "broadcast_object", obj, src)
-    return obj if runtime.rank == src else received
+    _debug.check(job, f"broadcast_object(src={src})")
+    received = _send_object(job, "broadcast_object", obj, src)
+    return obj if job.rank == src else received
 
 
-def _valid_src(runtime: DistributedRuntime, src: Any) -> bool:
-    return not isinstance(src, bool) and isinstance(src, int) and 0 <= src < runtime.world_size
+def _valid_src(job: Job, src: Any) -> bool:
+    return not isinstance(src, bool) and isinstance(src, int) and 0 <= src < job.world_size
 
 
-def _send_object(runtime: DistributedRuntime, call: str, obj: Any, src: int) -> Any:
+def _send_object(job: Job, call: str, obj: Any, src: int) -> Any:
     """``src``'s ``obj`` on every rank: a checked size message, then the pickled bytes."""
-    valid = _valid_src(runtime, src)
-    me = valid and runtime.rank == src
+    valid = _valid_src(job, src)
+    me = valid and job.rank == src
     payload, problem = b"", ""
     if me:
         try:
@@ -131,16 +131,16 @@ def _send_object(runtime: DistributedRuntime, call: str, obj: Any, src: int) -> 
             problem = f"{type(exc).__name__}: {exc}"
     s, k = (src + 1 if valid else 0), _CALLS[call]
     size = (len(payload) if not problem else -1) if me else 0
-    device = comm_device(runtime, torch.device("cpu"))
+    device = job.comm_device(torch.device("cpu"))
     head = torch.tensor([s, s * s, k, k * k, size], dtype=torch.int64, device=device)
     dist.all_reduce(head)
     got = head.tolist()
-    world = runtime.world_size
+    world = job.world_size
     if got[:4] != [world * s, world * s * s, world * k, world * k * k]:
         said: list[Any] = [None] * world
         dist.all_gather_object(said, f"{call}(src={src!r})")
         raise DistributedError(
-            f"rank {runtime.rank}: {call}() stopped before moving any data: the ranks do not "
+            f"rank {job.rank}: {call}() stopped before moving any data: the ranks do not "
             "agree on the call or its source (" + ", ".join(
                 f"rank {r}: {c}" for r, c in enumerate(said)) + "); no rank got a value. Give "
             "every rank the same src (a rank number, not `state().rank`)."

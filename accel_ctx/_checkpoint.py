@@ -21,7 +21,9 @@ from torch import nn
 
 from . import _checkpoint_state as owned
 from . import _rng, _state
+from ._accumulate import AccumulateRuntime
 from ._blame import collective
+from ._precision import PrecisionRuntime
 from ._warn import warn_user
 from .errors import CheckpointError, ConfigurationError
 
@@ -100,7 +102,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     guard.arrive("save_state()")
     root = Path(directory)
     stack = _state.current()
-    precision = stack.effective_precision() if stack is not None else None
+    precision = stack.find(PrecisionRuntime) if stack is not None else None
     if precision is not None:
         precision.flush()  # the pending scale update would otherwise wait for the next backward
     rank, world = objs.rank_world()
@@ -247,7 +249,7 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
         objs.load(folder, stateful, shared["optimizers"], shared["plain"],
                   shared.get("optimizer_params", {}))
     counters = shared["counters"]
-    owned.apply_counters(stack, counters, stateful, _device_type(stack, stateful))
+    owned.apply_counters(stack, counters, stateful)
     _restore_partial_grads(stack, counters, mine, stateful, world == saved_world)
     _resume_loaders(stack, shared["loaders"], generators, named_loaders)
     if mine is not None:
@@ -270,7 +272,7 @@ def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],
 
 def _to_device(stack: _state.Stack | None, stateful: dict[str, Any]) -> None:
     """Move models where distributed() will put them, so loaded optimizer states live there."""
-    device = stack.dist.device if stack is not None and stack.dist is not None else None
+    device = stack.job.device if stack is not None and stack.job is not None else None
     if device is None or device.type == "cpu":
         return
     for obj in stateful.values():
@@ -294,21 +296,11 @@ def _clear_grads(stateful: dict[str, Any]) -> None:
             p.grad = None
 
 
-def _device_type(stack: _state.Stack | None, stateful: dict[str, Any]) -> str:
-    if stack is not None and stack.dist is not None:
-        return stack.dist.device.type
-    for obj in stateful.values():
-        if isinstance(obj, nn.Module):
-            for p in obj.parameters():
-                return p.device.type
-    return "cpu"
-
-
 def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
                            mine: dict[str, Any] | None, stateful: dict[str, Any],
                            same_world: bool) -> None:
     group = owned.mid_group(counters)
-    acc = stack.accumulate if stack is not None else None
+    acc = stack.find(AccumulateRuntime) if stack is not None else None
     if group is None or acc is None:
         return
     done, size = group
@@ -325,7 +317,7 @@ def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
         f"group of {size}; those partial gradients belong to the ranks and accumulate({size}) "
         "that saved it and are dropped here, so the next group starts afresh. Save after "
         "opt.step() at a group boundary (state().sync_gradients) to resume elsewhere exactly.")
-    acc.micro, acc.size, acc.sync_gradients = 0, None, True
+    acc.restart_group()
 
 
 def _resume_loaders(stack: _state.Stack | None, entries: list[dict[str, Any]],

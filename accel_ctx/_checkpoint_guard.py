@@ -77,8 +77,8 @@ def arrival_timeout() -> float:
             )
         return seconds
     stack = _state.current()
-    if stack is not None and stack.dist is not None:
-        group = stack.dist.options.timeout.total_seconds()
+    if stack is not None and stack.job is not None:
+        group = stack.job.options.timeout.total_seconds()
     else:
         store: Any = dist.distributed_c10d._get_default_store()
         group = store.timeout.total_seconds()

@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from . import _data, _state
+from ._session import Session
 
 
 # ---- counters ------------------------------------------------------------------------------------
@@ -32,13 +33,8 @@ def capture_counters(stack: _state.Stack | None, named: dict[str, Any]) -> dict[
         "schedulers": {n: session.schedulers[o] for n, o in named.items()
                        if _weak(o) and o in session.schedulers},
     }
-    acc = stack.accumulate
-    if acc is not None:
-        out["accumulate"] = (acc.steps, acc.micro, acc.groups, acc.size, acc.sync_gradients)
-    precision = stack.effective_precision()
-    if precision is not None:
-        scaler = precision.scaler.state_dict() if precision.scaler is not None else None
-        out["precision"] = (precision.policy.name, scaler, precision.skipped_steps)
+    # each open concern's own state (accumulation counters, the fp16 loss scale, ...)
+    out["concerns"] = {c.slot: state for c in stack.concerns() if (state := c.state_dict())}
     return out
 
 
@@ -50,9 +46,8 @@ def _weak(obj: Any) -> bool:
     return True
 
 
-def apply_counters(
-    stack: _state.Stack | None, saved: dict[str, Any], named: dict[str, Any], device_type: str
-) -> None:
+def apply_counters(stack: _state.Stack | None, saved: dict[str, Any], named: dict[str, Any]
+                   ) -> None:
     if stack is None or not saved:
         return
     session = stack.session
@@ -65,29 +60,18 @@ def apply_counters(
     for name, seen in saved["schedulers"].items():
         if name in named and _weak(named[name]):
             session.schedulers[named[name]] = tuple(seen)
-    acc = stack.accumulate
-    if acc is not None and "accumulate" in saved:
-        _, acc.micro, acc.groups, acc.size, acc.sync_gradients = saved["accumulate"]
-    precision = stack.effective_precision()
-    if precision is not None and "precision" in saved:
-        _, scaler_state, precision.skipped_steps = saved["precision"]
-        precision.pending_update = False  # flushed before saving
-        if scaler_state and precision.dtype == torch.float16:
-            if precision.scaler is None:
-                policy = precision.policy
-                precision.scaler = torch.amp.GradScaler(
-                    device_type, init_scale=policy.init_scale,
-                    growth_interval=policy.growth_interval,
-                )
-            precision.scaler.load_state_dict(scaler_state)
+    concerns = saved.get("concerns", {})
+    for concern in stack.concerns():
+        if concern.slot in concerns:
+            concern.load_state_dict(concerns[concern.slot])
 
 
 def mid_group(saved: dict[str, Any]) -> tuple[int, int] | None:
     """(micro-batches done, group size) when saved inside an accumulation group, else None."""
-    acc = saved.get("accumulate")
-    if acc is None or acc[1] == 0:
+    acc = saved.get("concerns", {}).get("accumulate")
+    if acc is None or acc["micro"] == 0:
         return None
-    return acc[1], acc[0]
+    return acc["micro"], acc["steps"]
 
 
 # ---- DataLoader positions ------------------------------------------------------------------------
@@ -164,7 +148,7 @@ def apply_position(
 class PendingLoaders:
     """Positions of loaders saved by order: applied to the next loaders iterated first here."""
 
-    def __init__(self, session: _state.Session, entries: list[tuple[dict[str, Any], Any]],
+    def __init__(self, session: Session, entries: list[tuple[dict[str, Any], Any]],
                  named: list[DataLoader[Any]]) -> None:
         self._session = session
         self._entries = entries

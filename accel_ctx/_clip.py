@@ -37,24 +37,24 @@ def _split_scaled(
     stack: _state.Stack, params: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
     """Unscale what can be; return (unscaled grads, still-scaled grads, scale)."""
-    precision = stack.effective_precision()
-    grads = [p.grad for p in params if p.grad is not None]
-    if precision is None or precision.scaler is None or not precision.scaler.is_enabled():
-        return grads, [], 1.0
-    wanted = {id(p) for p in params}
-    unscaled: set[int] = set()
-    for optimizer in list(stack.session.optimizers):
-        owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        if owned & wanted and precision.unscale(optimizer):
-            unscaled |= owned
-    # Gradients of an optimizer not met yet (clipping before its first step): unscaled now,
-    # checked for inf/NaN before they are clipped; that optimizer's step takes the result.
-    unknown = [p for p in params if p.grad is not None and id(p) not in unscaled]
-    if unknown and precision.unscale_params(unknown):
-        unscaled.update(id(p) for p in unknown)
-    plain = [p.grad for p in params if p.grad is not None and id(p) in unscaled]
-    scaled = [p.grad for p in params if p.grad is not None and id(p) not in unscaled]
-    return plain, scaled, float(precision.scaler.get_scale())
+    for grads_of in stack.hooks.grads_for_clipping:  # fp16: unscaled through the GradScaler
+        found = grads_of(stack.session, params)
+        if found is not None:
+            return found
+    return [p.grad for p in params if p.grad is not None], [], 1.0
+
+
+def _deferred(stack: _state.Stack) -> bool:
+    """Mid accumulation group: clipping now would clip a partial sum."""
+    return any(defers() for defers in stack.hooks.defers_clipping)
+
+
+def _loss_scale(stack: _state.Stack) -> float:
+    for concern in stack.concerns():
+        scale = concern.loss_scale()
+        if scale is not None:
+            return scale
+    return 1.0
 
 
 def _total_norm(
@@ -102,12 +102,9 @@ def clip_grad_norm_(
         return _stock_clip_norm(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     params = _as_list(parameters)
     norm_type = float(norm_type)
-    accumulating = stack.accumulate is not None and not stack.accumulate.sync_gradients
-    if accumulating:
-        precision = stack.effective_precision()
-        scale = precision.loss_scale() if precision is not None else None
+    if _deferred(stack):
         grads = [p.grad for p in params if p.grad is not None]
-        return _total_norm([], grads, scale or 1.0, norm_type, foreach)
+        return _total_norm([], grads, _loss_scale(stack), norm_type, foreach)
     plain, scaled, scale = _split_scaled(stack, params)
     total = _total_norm(plain, scaled, scale, norm_type, foreach)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
@@ -138,7 +135,7 @@ def clip_grad_value_(
     if stack is None:
         _stock_clip_value(parameters, clip_value, foreach)
         return
-    if stack.accumulate is not None and not stack.accumulate.sync_gradients:
+    if _deferred(stack):
         return
     params = _as_list(parameters)
     plain, scaled, scale = _split_scaled(stack, params)

@@ -4,7 +4,7 @@ Each reads the process group of the innermost ``distributed()`` scope when calle
 process (outside ``distributed()``, or a world of one) each returns its input itself, copying
 nothing. Structures are tuples, lists, dicts, namedtuples and dataclasses (walked by ``_tree``),
 rebuilt with their own types. Tensors travel where the backend takes them: CPU tensors through
-gloo, CUDA tensors through NCCL; with an NCCL-only group, CPU tensors go through the runtime's
+gloo, CUDA tensors through NCCL; with an NCCL-only group, CPU tensors go through the job's
 device and come back to the CPU. With several processes, gather and reduce return new tensors
 without autograd history (broadcast too, except on ``src``, which gets its input back).
 
@@ -29,7 +29,7 @@ from ._tree import map_tensors
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min"]
@@ -42,22 +42,14 @@ _ADVICE = (
 )
 
 
-def group_runtime() -> DistributedRuntime | None:
-    """The innermost distributed() runtime when it has more than one process, else None."""
-    stack = _state.current()
-    runtime = stack.dist if stack is not None else None
-    return runtime if runtime is not None and runtime.world_size > 1 else None
+def group_job() -> Job | None:
+    """The innermost distributed() job when it has more than one process, else None."""
+    job = _state.current_job()
+    return job if job is not None and job.world_size > 1 else None
 
 
-def comm_device(runtime: DistributedRuntime, device: torch.device) -> torch.device:
-    """Where a tensor on ``device`` must be for the backend: NCCL alone cannot move CPU tensors."""
-    if device.type == "cpu" and runtime.backend == "nccl":
-        return runtime.device
-    return device
-
-
-def meta_device(runtime: DistributedRuntime) -> torch.device:
-    return comm_device(runtime, torch.device("cpu"))
+def meta_device(job: Job) -> torch.device:
+    return job.comm_device(torch.device("cpu"))
 
 
 def _pad_to(t: torch.Tensor, size: int, dim: int, value: Any, first: bool) -> torch.Tensor:
@@ -71,22 +63,22 @@ def _pad_to(t: torch.Tensor, size: int, dim: int, value: Any, first: bool) -> to
 
 
 def gather_tensor(
-    runtime: DistributedRuntime, t: torch.Tensor, sizes: list[int], keep: list[bool] | None = None
+    job: Job, t: torch.Tensor, sizes: list[int], keep: list[bool] | None = None
 ) -> torch.Tensor:
     """Every rank's ``t`` concatenated along dim 0 (``sizes``: their dim 0; ``keep``: whose)."""
     scalar = t.dim() == 0
     x = t.detach().reshape(1) if scalar else t.detach()
-    x = _pad_to(x.to(comm_device(runtime, t.device)), max(sizes), 0, 0, False).contiguous()
-    parts = [torch.empty_like(x) for _ in range(runtime.world_size)]
+    x = _pad_to(x.to(job.comm_device(t.device)), max(sizes), 0, 0, False).contiguous()
+    parts = [torch.empty_like(x) for _ in range(job.world_size)]
     dist.all_gather(parts, x)
     kept = [p[:n] for r, (p, n) in enumerate(zip(parts, sizes, strict=True))
             if keep is None or keep[r]]
     return (torch.cat(kept) if kept else x[:0]).to(t.device)
 
 
-def travel_type(runtime: DistributedRuntime) -> Callable[[torch.Tensor], str]:
+def travel_type(job: Job) -> Callable[[torch.Tensor], str]:
     """The device type each tensor travels on (part of what the ranks must agree on)."""
-    return lambda t: comm_device(runtime, t.device).type
+    return lambda t: job.comm_device(t.device).type
 
 
 @collective
@@ -115,13 +107,13 @@ def gather(tensors: T) -> T:
         >>> out["pred"].tolist()  # one process: the input itself
         [1, 2]
     """
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         return tensors
-    d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(runtime))
-    _debug.check(runtime, "gather()", d.tensors, free_dim=0)
-    heads = exchange(runtime, d, "gather()", 0, meta_device(runtime), _ADVICE)
-    gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free])
+    d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(job))
+    _debug.check(job, "gather()", d.tensors, free_dim=0)
+    heads = exchange(job, d, "gather()", 0, meta_device(job), _ADVICE)
+    gathered = [gather_tensor(job, t, [r[i] for r in heads.free])
                 for i, t in enumerate(d.tensors)]
     if heads.skeletons is None:
         done = iter(gathered)
@@ -141,11 +133,11 @@ def gather_object(obj: T) -> list[T]:
         >>> gather_object({"rank": 0, "files": ["a.txt"]})
         [{'rank': 0, 'files': ['a.txt']}]
     """
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         return [obj]
-    _debug.check(runtime, "gather_object()")
-    parts: list[Any] = [None] * runtime.world_size
+    _debug.check(job, "gather_object()")
+    parts: list[Any] = [None] * job.world_size
     dist.all_gather_object(parts, obj)
     return parts
 
@@ -173,14 +165,14 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     """
     if op not in _OPS:
         raise ConfigurationError(f"reduce(op={op!r}): give one of 'sum', 'mean', 'max', 'min'.")
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         return tensors
     call = f"reduce(op={op!r})"
     d = describe(tensors, call, free_dim=None, batches=False, numbers=True,
-                 travel=travel_type(runtime))
-    _debug.check(runtime, call, d.tensors)
-    results = reduce_tensors(runtime, d, op, meta_device(runtime), _ADVICE, call)
+                 travel=travel_type(job))
+    _debug.check(job, call, d.tensors)
+    results = reduce_tensors(job, d, op, meta_device(job), _ADVICE, call)
     if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
             f"{call} found values it cannot combine at {', '.join(d.values)}; it reduces "
@@ -211,15 +203,15 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
         >>> pad_across_processes(torch.tensor([[1, 2]]), dim=1).tolist()
         [[1, 2]]
     """
-    runtime = group_runtime()
-    if runtime is None:
+    job = group_job()
+    if job is None:
         return tensors
     call = f"pad_across_processes(dim={dim})"
-    d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(runtime))
-    _debug.check(runtime, call, d.tensors, free_dim=dim)
-    lengths = exchange(runtime, d, call, 0, meta_device(runtime), _ADVICE).free
+    d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(job))
+    _debug.check(job, call, d.tensors, free_dim=dim)
+    lengths = exchange(job, d, call, 0, meta_device(job), _ADVICE).free
     padded = iter([
-        t if lengths[runtime.rank][i] < 0
+        t if lengths[job.rank][i] < 0
         else _pad_to(t, max(r[i] for r in lengths), dim, pad_index, pad_first)
         for i, t in enumerate(d.tensors)
     ])

@@ -27,6 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import _data_order, _state
 from ._join import UnevenTail
+from ._session import LoaderIteration
 from ._shard import EMPTY as _EMPTY
 from ._shard import ShardedIndices as _ShardedIndices
 from ._shard import ShardPlan
@@ -60,10 +61,10 @@ def _drops_last(loader: DataLoader[Any]) -> bool:
 
 
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
-    runtime = stack.dist if stack is not None else None
-    if runtime is None or runtime.world_size == 1 or _already_sharded(loader):
+    job = stack.job if stack is not None else None
+    if job is None or job.world_size == 1 or _already_sharded(loader):
         return ShardPlan(skip=skip)
-    return ShardPlan(runtime.rank, runtime.world_size, runtime.options.even_batches, skip,
+    return ShardPlan(job.rank, job.world_size, job.options.even_batches, skip,
                      _drops_last(loader))
 
 
@@ -94,12 +95,13 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     skip, resume_rng = record.resume_skip, record.resume_rng
     record.resume_skip, record.resume_rng = 0, None
     plan = plan_for(loader, stack, skip)
-    runtime = stack.dist
+    job = stack.job
     record.epoch += 1
     record.yielded = 0
     record.epoch_plan = plan
     if not iterable and (
-        record.view is None or record.view.original is not _stock_index_sampler(loader)
+        not isinstance(record.view, _IndexView)
+        or record.view.original is not _stock_index_sampler(loader)
     ):
         record.view = _IndexView(_stock_index_sampler(loader), record)
     length = _length(loader, stack, plan, iterable)
@@ -114,12 +116,12 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     # A resumed epoch replays its saved (already shared) start; the ranks' restored states stay.
     if (
         resume_rng is None
-        and runtime is not None
-        and runtime.world_size > 1
+        and job is not None
+        and job.world_size > 1
         and not _already_sharded(loader)
         and not _draws_no_randomness(loader)
     ):
-        it, states, generators = _data_order.shared_start(loader, runtime, build, _first_batch)
+        it, states, generators = _data_order.shared_start(loader, job, build, _first_batch)
         record.epoch_start_rng = _rng_snapshot(loader, states, generators)
         return it
     record.epoch_start_rng = _rng_snapshot(loader) if resume_rng is None else resume_rng
@@ -238,8 +240,8 @@ class ScopedIterator:
         shard: ShardPlan | None,
         total: int | None,
     ) -> None:
-        runtime = stack.dist
-        device = runtime.device if runtime is not None else None
+        job = stack.job
+        device = job.device if job is not None else None
         self._stock = it
         # iterable datasets cannot be indexed: shard the fetched batches with the same rules
         self._sharded = _ShardedIndices(it, shard) if shard is not None else None
@@ -251,10 +253,10 @@ class ScopedIterator:
         self._length = length
         # even_batches=False: the ranks' last batches differ; every rank ends its accumulation
         # group with the complete rounds, and the incomplete round runs under DDP's Join
-        uneven = runtime is not None and plan.world > 1 and not plan.even and not plan.drop
-        self._tail = UnevenTail(runtime) if uneven else None
+        uneven = job is not None and plan.world > 1 and not plan.even and not plan.drop
+        self._tail = UnevenTail(job) if job is not None and uneven else None
         group_length = plan.full_rounds(total) if uneven and total is not None else length
-        self._iteration = _state.LoaderIteration(group_length, self._tail)
+        self._iteration = LoaderIteration(group_length, self._tail)
         self._pending: Any = _EMPTY
         self._registered = False
         self._exhausted = False

@@ -89,7 +89,7 @@ def _set_states(generators: list[torch.Generator], states: list[torch.Tensor]) -
 
 def shared_start(
     loader: DataLoader[Any],
-    runtime: Any,
+    job: Any,
     build: Callable[[], T],
     first: Callable[[T], Any],
 ) -> tuple[T, list[torch.Tensor], list[torch.Generator]]:
@@ -101,14 +101,14 @@ def shared_start(
     generators = order_generators(loader)
     states = _states(generators)
     sizes = [s.numel() for s in states]
-    device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+    device = job.comm_device(torch.device("cpu"))
     if isinstance(loader.dataset, _IterDataPipe):  # it broadcasts while being built
         buffer = torch.cat([torch.zeros(16, dtype=torch.uint8), *states]).to(device)
         dist.broadcast(buffer, src=0)
         states = [s.clone() for s in torch.split(buffer.cpu()[16:], sizes)]
         _set_states(generators, states)
         return build(), states, generators
-    if runtime.rank == 0:
+    if job.rank == 0:
         it = build()
         header = torch.tensor([1, fingerprint(first(it))], dtype=torch.int64).view(torch.uint8)
         dist.broadcast(torch.cat([header, *states]).to(device), src=0)
@@ -122,7 +122,7 @@ def shared_start(
     expected = int(received[8:16].view(torch.int64).item())
     mine = fingerprint(first(it))
     if mine != expected:
-        raise DistributedError(_mismatch(loader, runtime.rank, generators))
+        raise DistributedError(_mismatch(loader, job.rank, generators))
     return it, states, generators
 
 

@@ -27,7 +27,7 @@ from . import _barrier
 from .errors import DistributedError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _SKIPPED = (_PACKAGE_DIR, os.path.abspath(contextlib.__file__),
@@ -51,7 +51,7 @@ def _shape(t: torch.Tensor) -> list[int]:
 
 
 def check(
-    runtime: DistributedRuntime,
+    job: Job,
     call: str,
     tensors: Sequence[torch.Tensor] | None = None,
     free_dim: int | None = None,
@@ -63,35 +63,35 @@ def check(
     ``free_dim`` is the dimension allowed to differ (gather's dim 0); ``compare_shapes=False``
     compares dtypes and counts only (broadcast receivers' inputs are ignored: not even those).
     """
-    if not runtime.debug:
+    if not job.debug:
         return
     mine: dict[str, Any] = {"call": call, "where": _caller()}
     if tensors is not None:
         mine["tensors"] = [[_shape(t), str(t.dtype).removeprefix("torch.")] for t in tensors]
-    signatures = _barrier.sync_point(runtime, call, json.dumps(mine), read=True)
+    signatures = _barrier.sync_point(job, call, json.dumps(mine), read=True)
     ranks = [json.loads(s) for s in signatures]
     problem = _compare(ranks, free_dim, compare_shapes)
     if problem is not None:
         listing = "\n".join(f"  rank {r}: {_describe(s)}" for r, s in enumerate(ranks))
         raise DistributedError(
-            f"rank {runtime.rank}: {call} stopped by debug mode before it could hang or fail "
+            f"rank {job.rank}: {call} stopped by debug mode before it could hang or fail "
             f"inside torch: {problem}.\n{listing}\n{_advice(problem)}"
         )
 
 
-def barrier(runtime: DistributedRuntime, call: str) -> None:
+def barrier(job: Job, call: str) -> None:
     """A failure-aware barrier; in debug mode it also checks every rank is in a barrier."""
-    if not runtime.debug:
-        _barrier.sync_point(runtime, call)
+    if not job.debug:
+        _barrier.sync_point(job, call)
         return
     signatures = _barrier.sync_point(
-        runtime, call, json.dumps({"call": call, "where": _caller(), "kind": BARRIER}), read=True
+        job, call, json.dumps({"call": call, "where": _caller(), "kind": BARRIER}), read=True
     )
     ranks = [json.loads(s) for s in signatures]
     if any(s.get("kind") != BARRIER for s in ranks):
         listing = "\n".join(f"  rank {r}: {_describe(s)}" for r, s in enumerate(ranks))
         raise DistributedError(
-            f"rank {runtime.rank}: {call} stopped by debug mode: the ranks are in different "
+            f"rank {job.rank}: {call} stopped by debug mode: the ranks are in different "
             f"calls.\n{listing}\n{_advice('different calls')}"
         )
 

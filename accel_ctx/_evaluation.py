@@ -13,8 +13,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
 from ._blame import collective
-from ._collectives import _ADVICE, gather_tensor, group_runtime, meta_device, travel_type
+from ._collectives import _ADVICE, gather_tensor, group_job, meta_device, travel_type
 from ._exchange import PADDING, describe, exchange
+from ._session import LoaderIteration
 from ._skeleton import merge, rebuild_mapping, rebuild_sequence
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
@@ -61,8 +62,8 @@ def gather_for_metrics(obj: T) -> T:
         (10, ['s0', 's1', 's2'])
     """
     stack = _state.current()
-    runtime = group_runtime()
-    if runtime is None or stack is None:
+    job = group_job()
+    if job is None or stack is None:
         return obj
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
@@ -70,15 +71,15 @@ def gather_for_metrics(obj: T) -> T:
         iteration.uneven.note_gather(obj, iteration.index)  # even_batches=False: see _join
     if iteration is not None and _sampler_padded(iteration):
         obj = _drop_last_sample(obj)
-    return _gather(runtime, obj, padding)
+    return _gather(job, obj, padding)
 
 
-def _gather(runtime: Any, obj: T, padding: bool) -> T:
+def _gather(job: Any, obj: T, padding: bool) -> T:
     """One rank's part of a gather_for_metrics call (``padding``: contribute nothing)."""
     call = "gather_for_metrics()"
-    d = describe(obj, call, free_dim=0, batches=True, travel=travel_type(runtime))
-    _debug.check(runtime, call, d.tensors, free_dim=0)
-    heads = exchange(runtime, d, call, PADDING if padding else 0, meta_device(runtime), _ADVICE)
+    d = describe(obj, call, free_dim=0, batches=True, travel=travel_type(job))
+    _debug.check(job, call, d.tensors, free_dim=0)
+    heads = exchange(job, d, call, PADDING if padding else 0, meta_device(job), _ADVICE)
     if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
             f"gather_for_metrics() found a bare value at {', '.join(d.values)}; it gathers "
@@ -87,7 +88,7 @@ def _gather(runtime: Any, obj: T, padding: bool) -> T:
             "per rank."
         )
     keep = [not flags & PADDING for flags in heads.flags]
-    gathered = [gather_tensor(runtime, t, [r[i] for r in heads.free], keep)
+    gathered = [gather_tensor(job, t, [r[i] for r in heads.free], keep)
                 for i, t in enumerate(d.tensors)]
     if heads.skeletons is None:
         done = iter(gathered)
@@ -96,7 +97,7 @@ def _gather(runtime: Any, obj: T, padding: bool) -> T:
     return merge(kept, gathered)  # type: ignore[no-any-return]
 
 
-def _sampler_padded(iteration: _state.LoaderIteration) -> bool:
+def _sampler_padded(iteration: LoaderIteration) -> bool:
     """This is the batch holding the sample a user's DistributedSampler repeated as padding.
 
     DistributedSampler (drop_last=False) pads its index list to a multiple of the number of
@@ -158,7 +159,8 @@ def split_between_processes(items: T, *, pad: bool = False) -> T:
         >>> split_between_processes(["a cat", "a dog", "a bird"])  # one process: everything
         ['a cat', 'a dog', 'a bird']
     """
-    world, rank = _world_rank()
+    where = _state.coordinates()
+    world, rank = where.world_size, where.rank
     if world == 1:
         return items
     if isinstance(items, Mapping):
@@ -176,12 +178,6 @@ def split_between_processes(items: T, *, pad: bool = False) -> T:
         return new
     _length(items, None)
     return _split(items, world, rank, pad)  # type: ignore[no-any-return]
-
-
-def _world_rank() -> tuple[int, int]:
-    stack = _state.current()
-    runtime = stack.dist if stack is not None else None
-    return (runtime.world_size, runtime.rank) if runtime is not None else (1, 0)
 
 
 def _length(value: Any, key: Any) -> int:

@@ -29,6 +29,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
+from ._job import Job
 from ._skeleton import Slot, holds, rebuild_mapping, rebuild_sequence
 from .errors import ConfigurationError, DistributedError
 
@@ -169,14 +170,14 @@ def gather_ints(values: list[int], device: torch.device, world: int) -> list[lis
     return [p.tolist() for p in parts]
 
 
-def exchange(runtime: Any, described: Described, call: str, flags: int,
+def exchange(job: Job, described: Described, call: str, flags: int,
              device: torch.device, advice: str) -> Exchanged:
     """The one header all_gather; raises :class:`DistributedError` on every rank on a mismatch.
 
     With Python data, the skeletons follow in one more all_gather of pickled bytes (their
     lengths came in the header, which replaces all_gather_object's own exchange of sizes).
     """
-    world, n = runtime.world_size, len(described.tensors)
+    world, n = job.world_size, len(described.tensors)
     payload, problem = b"", ""
     if described.data:
         try:
@@ -188,7 +189,7 @@ def exchange(runtime: Any, described: Described, call: str, flags: int,
     inline = described.free[:_INLINE]
     rows = gather_ints(head + inline + [0] * (_INLINE - len(inline)), device, world)
     if any(row[:3] != rows[0][:3] for row in rows) or rows[0][0] != _MAGIC:
-        mismatch(runtime, described, call, advice)
+        mismatch(job, described, call, advice)
     free = [row[_FIXED:_FIXED + len(inline)] for row in rows]
     if n > _INLINE:  # the same count on every rank: the hashes agree
         rest = gather_ints(described.free[_INLINE:], device, world)
@@ -211,12 +212,12 @@ def exchange(runtime: Any, described: Described, call: str, flags: int,
     return Exchanged(free, [row[3] for row in rows], skeletons)
 
 
-def mismatch(runtime: Any, described: Described, call: str, advice: str) -> None:
+def mismatch(job: Any, described: Described, call: str, advice: str) -> None:
     """Every rank has seen the mismatch: trade readable descriptions, raise the same error."""
-    parts: list[Any] = [None] * runtime.world_size
+    parts: list[Any] = [None] * job.world_size
     dist.all_gather_object(parts, (call, described.signature, described.summary))
     raise DistributedError(
-        f"rank {runtime.rank}: {call} stopped before moving any data, because the ranks' calls "
+        f"rank {job.rank}: {call} stopped before moving any data, because the ranks' calls "
         f"do not fit together: {difference(parts)}. No rank got a result.\n{listing(parts)}\n"
         f"{advice}"
     )

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 
 from . import _state
+from ._job import Adoption, Job
 from .errors import ConfigurationError, DistributedError
 
 LAST_FORWARD = "_accel_ctx_last_forward"  # in a DDP engine's __dict__: its last forward's number
@@ -35,12 +36,12 @@ LAST_FORWARD = "_accel_ctx_last_forward"  # in a DDP engine's __dict__: its last
 class UnevenTail:
     """One epoch of one loader whose last round may be incomplete (``even_batches=False``)."""
 
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self.base = runtime.base
-        self.rank = runtime.rank
-        self.base.uneven_tail = None  # a loop left by an exception may have left it set
-        self.start = self.base.ddp_forwards
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.adoption = job.adoption
+        self.rank = job.rank
+        self.adoption.uneven_tail = None  # a loop left by an exception may have left it set
+        self.start = self.adoption.forwards
         self._join: Join | None = None
         self._engine: Any = None
         self._metrics: _MetricsJoinable | None = None
@@ -51,7 +52,7 @@ class UnevenTail:
 
     def _engines_used(self) -> list[Any]:
         engines = []
-        for module in list(self.base.adopted):
+        for module in list(self.adoption.modules):
             record = _state.module_record(module)
             engine = record.engine if record is not None else None
             if engine and engine.__dict__.get(LAST_FORWARD, 0) > self.start:
@@ -99,7 +100,7 @@ class UnevenTail:
         self._tail_batch = batch
         if not joinables:
             if batch is not None:
-                self.base.uneven_tail = (
+                self.adoption.uneven_tail = (
                     f"rank {self.rank}: distributed(even_batches=False) gave this rank batch "
                     f"{batch} of the epoch, from its last, incomplete round, which some ranks "
                     "do not get, and this forward would synchronise gradients with them: they "
@@ -121,16 +122,16 @@ class UnevenTail:
             if self._join is not None:
                 self._join.__exit__(None, None, None)
         finally:
-            self.base.uneven_tail = None
+            self.adoption.uneven_tail = None
             if self._engine is not None:  # later forwards must not notify a Join any more
                 self._engine._join_config = _JoinConfig.construct_disabled_join_config()  # type: ignore[no-untyped-call]
             self._join = self._engine = self._metrics = None
 
 
-def refuse_forward(base: Any) -> None:
+def refuse_forward(adoption: Adoption) -> None:
     """A forward that would sync gradients in an incomplete round no Join covers."""
-    message = base.uneven_tail
-    base.uneven_tail = None
+    message = adoption.uneven_tail
+    adoption.uneven_tail = None
     raise DistributedError(message)
 
 
@@ -140,8 +141,8 @@ class _MetricsJoinable(Joinable):
     def __init__(self, tail: UnevenTail) -> None:
         super().__init__()
         self.tail = tail
-        runtime = tail.runtime
-        self._device = runtime.device if runtime.backend == "nccl" else torch.device("cpu")
+        job = tail.job
+        self._device = job.comm_device(torch.device("cpu"))
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         return _MetricsHook(self.tail)
@@ -164,4 +165,4 @@ class _MetricsHook(JoinHook):
         from ._evaluation import _gather
 
         for obj in self.tail.gathers:
-            _gather(self.tail.runtime, obj, True)
+            _gather(self.tail.job, obj, True)

@@ -14,12 +14,6 @@ else:
     _Adapter = logging.LoggerAdapter
 
 
-def _rank_world() -> tuple[int, int]:
-    stack = _state.current()
-    runtime = stack.dist if stack is not None else None
-    return (runtime.rank, runtime.world_size) if runtime is not None else (0, 1)
-
-
 class _RankLogger(_Adapter):
     """A LoggerAdapter deciding per call, from the scope, whether this rank logs."""
 
@@ -28,14 +22,15 @@ class _RankLogger(_Adapter):
         self.all_ranks = all_ranks
 
     def isEnabledFor(self, level: int) -> bool:
-        if not self.all_ranks and _rank_world()[0] != 0:
+        if not self.all_ranks and _state.coordinates().rank != 0:
             return False
         return self.logger.isEnabledFor(level)
 
     def process(
         self, msg: Any, kwargs: MutableMapping[str, Any]
     ) -> tuple[Any, MutableMapping[str, Any]]:
-        rank, world = _rank_world()
+        where = _state.coordinates()
+        rank, world = where.rank, where.world_size
         kwargs["extra"] = {"rank": rank, "world_size": world, **(kwargs.get("extra") or {})}
         if self.all_ranks and world > 1:
             msg = f"[rank {rank}/{world}] {msg}"
@@ -90,5 +85,5 @@ def main_print(
         >>> main_print("epoch", 1, "done")
         epoch 1 done
     """
-    if _rank_world()[0] == 0:
+    if _state.coordinates().rank == 0:
         print(*values, sep=sep, end=end, file=file, flush=flush)

@@ -1,10 +1,8 @@
-"""``mixed_precision()``, ``@autocast_forward`` and fp16 loss scaling.
+"""``mixed_precision()`` and ``@autocast_forward``: the precision concern.
 
 The forward of each top-level module call runs under ``torch.autocast``; the backward never
-does. For fp16, ``torch.amp.GradScaler`` does the scaling: ``loss.backward()`` scales,
-``opt.step()`` unscales, checks for inf/NaN and skips the step when needed. The scale is updated
-once per iteration, just before the next scaled backward (or when the scope ends), so several
-optimizers stepping on one backward all unscale with the scale their gradients were made with.
+does. fp16 scales the loss (``_loss_scale``). A launcher's ``--mixed-precision`` is a default
+runtime that ``distributed()`` opens and any explicit ``mixed_precision()`` overrides.
 """
 
 from __future__ import annotations
@@ -17,39 +15,18 @@ from typing import Any, TypeVar, cast
 
 import torch
 import wrapt
-from torch.amp.grad_scaler import OptState
 
 from . import _env, _state
+from ._concern import Concern, ForwardCall, Grads
+from ._loss_scale import LossScaler
+from ._precision_names import canonical
 from ._scope import Scope
+from ._session import Session
 from ._tree import cast_floating
 from ._warn import warn_user
 from .errors import ConfigurationError
 
 F = TypeVar("F")
-
-
-class _GradGroup:
-    """Parameters posing as an optimizer for ``GradScaler.unscale_`` (it reads param_groups).
-
-    Clipping can come before accel_ctx has met the optimizer that owns the gradients (a loop
-    whose first ``opt.step()`` follows the first clip): they are unscaled through the scaler
-    under this stand-in, so clipping sees unscaled gradients and the inf/NaN check happens
-    before clipping could hide an overflow.
-    """
-
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.param_groups = [{"params": params}]
-
-_DTYPES: dict[str, torch.dtype | None] = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": None}
-_ALIASES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "fp32": "no",
-    "float32": "no",
-    "none": "no",
-    "off": "no",
-}
 
 
 def _policy_name(policy: str | None) -> str:
@@ -59,8 +36,8 @@ def _policy_name(policy: str | None) -> str:
         raise ConfigurationError(
             f"mixed_precision({policy!r}): give one of 'bf16', 'fp16' or 'no' as a string."
         )
-    name = _ALIASES.get(policy.lower(), policy.lower())
-    if name not in _DTYPES:
+    name = canonical(policy)
+    if name is None:
         raise ConfigurationError(
             f"unknown mixed-precision policy {policy!r}; valid policies are 'bf16', 'fp16' and "
             "'no' (None takes the launcher's --mixed-precision, default 'no')."
@@ -74,13 +51,13 @@ _CONFLICTS_REPORTED: set[tuple[str, str]] = set()
 def _report_launcher_conflict(policy: str) -> None:
     """An explicit policy beats the launcher's ``--mixed-precision``; rank 0 says so once."""
     launcher = os.environ.get(_env.MIXED_PRECISION_VAR, "").strip()
-    theirs = _ALIASES.get(launcher.lower(), launcher.lower())
+    theirs = canonical(launcher)
     mine = _policy_name(policy)
-    if theirs not in _DTYPES or mine == theirs or (mine, theirs) in _CONFLICTS_REPORTED:
+    if theirs is None or mine == theirs or (mine, theirs) in _CONFLICTS_REPORTED:
         return  # no launcher setting, a bad one (distributed() reports it), or agreement
     _CONFLICTS_REPORTED.add((mine, theirs))
     stack = _state.current()
-    rank = stack.dist.rank if stack is not None and stack.dist is not None else (
+    rank = stack.job.rank if stack is not None and stack.job is not None else (
         int(os.environ["RANK"]) if os.environ.get("RANK", "").isdigit() else 0)
     if rank == 0:
         warn_user(
@@ -105,7 +82,7 @@ class PrecisionPolicy:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return _DTYPES[self.name]
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
 
 
 def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:
@@ -131,18 +108,18 @@ def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:
         )
 
 
-class PrecisionRuntime:
-    """The live side of one ``mixed_precision()`` entry: policy, GradScaler, counters."""
+class PrecisionRuntime(Concern):
+    """The live side of one ``mixed_precision()`` entry: autocast, fp16 loss scaling, counters."""
+
+    slot, order = "precision", 30
 
     def __init__(self, policy: PrecisionPolicy, device_type: str | None) -> None:
         self.policy = policy
         self.dtype = policy.dtype
         self.device_type = device_type
-        self.scaler: torch.amp.GradScaler | None = None
-        self.pending_update = False
+        self.scaling = (LossScaler(policy.init_scale, policy.growth_interval)
+                        if self.dtype == torch.float16 else None)
         self.skipped_steps = 0
-        # Parameters unscaled before their optimizer was known (id -> the stand-in used).
-        self._early: dict[int, _GradGroup] = {}
         self._checked: set[str] = set()
         if device_type is not None:
             self._check(device_type)
@@ -159,112 +136,46 @@ class PrecisionRuntime:
         self._check(device_type)
         return torch.autocast(device_type, dtype=self.dtype)
 
+    def forward_context(self, call: ForwardCall) -> AbstractContextManager[Any]:
+        return self.autocast(call.device_type or "cpu")
+
     def cast_output(self, out: Any) -> Any:
         if self.dtype is None or self.policy.output_dtype is None:
             return out
         return cast_floating(out, self.policy.output_dtype)
 
+    def after_forward(self, call: ForwardCall, out: Any) -> Any:
+        return self.cast_output(out)
+
     # ---- fp16 loss scaling -----------------------------------------------------------------------
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.dtype != torch.float16:
-            return loss
-        self.flush()
-        self._forget_early()
-        if self.scaler is None:
-            self.scaler = torch.amp.GradScaler(
-                loss.device.type,
-                init_scale=self.policy.init_scale,
-                growth_interval=self.policy.growth_interval,
-            )
-        return self.scaler.scale(loss)
+    def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
+        return self.scaling.scale(loss) if self.scaling is not None else loss
 
-    def _optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        # GradScaler keeps its per-optimizer stage and inf flags here; reading them lets the
-        # step hook decide without calling GradScaler.step (which would re-enter opt.step).
-        states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
-        return states[id(optimizer)]
-
-    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale ``optimizer``'s gradients once per iteration; False if nothing is scaled."""
-        state = self._optimizer_state(optimizer)
-        if state is None:
+    def skips_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if self.scaling is None or not self.scaling.must_skip(optimizer):
             return False
-        if state["stage"] is OptState.READY:
-            assert self.scaler is not None
-            if self._early and self._owns_early(optimizer):
-                self._unscale_rest(optimizer, state)
-            else:
-                self.scaler.unscale_(optimizer)
+        self.skipped_steps += 1
         return True
 
-    def unscale_params(self, params: list[torch.Tensor]) -> bool:
-        """Unscale the gradients of ``params``, whose optimizer is not known yet, once per step.
-
-        The overflow check runs here, before any clipping, and counts for the optimizer that
-        steps them (:meth:`unscale` merges it). False if nothing is scaled.
-        """
-        if self.scaler is None or not self.scaler.is_enabled():
-            return False
-        todo = [p for p in params if p.grad is not None and id(p) not in self._early]
-        if todo:
-            group = _GradGroup(todo)
-            self.scaler.unscale_(cast(Any, group))
-            self._early.update((id(p), group) for p in todo)
-        return True
-
-    def _owns_early(self, optimizer: torch.optim.Optimizer) -> bool:
-        return any(id(p) in self._early for g in optimizer.param_groups for p in g["params"])
-
-    def _unscale_rest(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Unscale what is left of ``optimizer``; its inf flags include the early unscaling's."""
-        assert self.scaler is not None
-        owned = [p for g in optimizer.param_groups for p in g["params"]]
-        groups = {id(g): g for g in (self._early.get(id(p)) for p in owned) if g is not None}
-        rest = [p for p in owned if id(p) not in self._early]
-        if rest:
-            group = _GradGroup(rest)
-            self.scaler.unscale_(cast(Any, group))
-            self._early.update((id(p), group) for p in rest)
-            groups[id(group)] = group
-        states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
-        found: dict[torch.device, torch.Tensor] = {}
-        for key in groups:
-            for device, flag in states[key]["found_inf_per_device"].items():
-                found[device] = found[device] + flag if device in found else flag.clone()
-        state["found_inf_per_device"] = found
-        state["stage"] = OptState.UNSCALED
-
-    def _forget_early(self) -> None:
-        """A new backward begins: early unscaling no step consumed counts for nothing."""
-        if self._early and self.scaler is not None:
-            states: dict[int, dict[str, Any]] = self.scaler._per_optimizer_states
-            for key in {id(g) for g in self._early.values()}:
-                states.pop(key, None)
-        self._early.clear()
-
-    def must_skip(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Unscale, look for inf/NaN; True when this step must be skipped (fp16 overflow)."""
-        if not self.unscale(optimizer):
-            return False
-        state = self._optimizer_state(optimizer)
-        assert state is not None
-        self.pending_update = True
-        found = sum(v.item() for v in state["found_inf_per_device"].values())
-        return bool(found)
+    def grads_for_clipping(self, session: Session, params: list[torch.Tensor]) -> Grads | None:
+        return self.scaling.grads(session, params) if self.scaling is not None else None
 
     def flush(self) -> None:
-        """Apply the pending scale update (once per iteration, after every optimizer stepped)."""
-        if self.pending_update and self.scaler is not None:
-            self.pending_update = False
-            self.scaler.update()
-            self._early.clear()
+        """Apply the pending scale update (the end of an iteration: a checkpoint, the exit)."""
+        if self.scaling is not None:
+            self.scaling.flush()
 
     def loss_scale(self) -> float | None:
-        if self.scaler is None:
-            return self.policy.init_scale if self.dtype == torch.float16 else None
-        return float(self.scaler.get_scale())
+        return self.scaling.current_scale() if self.scaling is not None else None
+
+    def state_dict(self) -> dict[str, Any]:
+        scaler = self.scaling.state_dict() if self.scaling is not None else None
+        return {"policy": self.policy.name, "scaler": scaler, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state["skipped_steps"])
+        if self.scaling is not None:
+            self.scaling.load_state_dict(state["scaler"])
 
     def close(self) -> None:
         self.flush()
@@ -276,6 +187,7 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
     if not name or _policy_name(name) == "no":
         return None
     runtime = PrecisionRuntime(PrecisionPolicy(_policy_name(name)), device.type)
+    runtime.is_default = True  # an explicit mixed_precision() scope wins over it
     _state.register_precision(runtime)
     exits.callback(_state.unregister_precision, runtime)
     exits.callback(runtime.close)
@@ -303,7 +215,6 @@ class mixed_precision(Scope):
         torch.float32
     """
 
-    concern = "precision"
 
     def __init__(
         self,
@@ -330,7 +241,7 @@ class mixed_precision(Scope):
             _policy_name(self._requested), output_dtype, init_scale, growth_interval
         )
         below = _state.current()
-        device_type = below.dist.device.type if below is not None and below.dist else None
+        device_type = below.job.device.type if below is not None and below.job else None
         runtime = PrecisionRuntime(policy, device_type)
         _state.register_precision(runtime)
         exits.callback(_state.unregister_precision, runtime)
@@ -344,10 +255,10 @@ class mixed_precision(Scope):
 def _precision_for_here() -> PrecisionRuntime | None:
     stack = _state.current()
     if stack is not None:
-        return stack.effective_precision()
+        return stack.find(PrecisionRuntime)
     # A helper thread (DataParallel replica, thread pool) with no scope of its own: use the
     # policy open in this process; the most recently opened one if several are.
-    open_now = _state.open_precisions()
+    open_now = [r for r in _state.open_precisions() if isinstance(r, PrecisionRuntime)]
     return open_now[-1] if open_now else None
 
 

@@ -42,27 +42,24 @@ from ._warn import warn_user
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from ._distributed import DistributedRuntime
+    from ._job import Job
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _position() -> tuple[DistributedRuntime | None, int, int, int, int]:
-    """(runtime, rank, world size, local rank, local world size), as state() would say."""
-    stack = _state.current()
-    runtime = stack.dist if stack is not None else None
-    if runtime is None:
-        return None, 0, 1, 0, 1
-    launch = runtime.launch
-    return runtime, launch.rank, launch.world_size, launch.local_rank, launch.local_world_size
+def _position() -> tuple[Job | None, int, int, int, int]:
+    """(job, rank, world size, local rank, local world size), as state() would say."""
+    where = _state.coordinates()
+    return (_state.current_job(), where.rank, where.world_size, where.local_rank,
+            where.local_world_size)
 
 
 def _announce(where: str, exc: BaseException) -> None:
-    runtime, rank, world, _, _ = _position()
-    if runtime is not None and world > 1:
+    job, rank, world, _, _ = _position()
+    if job is not None and world > 1:
         failure = f"rank {rank} raised {type(exc).__name__}: {exc} {where}"
-        _barrier.announce_failure(runtime, failure)
+        _barrier.announce_failure(job, failure)
 
 
 class ProcessFilter:
@@ -300,10 +297,10 @@ def wait_for_everyone() -> None:
         >>> with distributed():
         ...     wait_for_everyone()
     """
-    runtime, _, world, _, _ = _position()
-    if runtime is not None and world > 1:
+    job, _, world, _, _ = _position()
+    if job is not None and world > 1:
         _blame.refuse_rank_only("wait_for_everyone()", "it")
-        _debug.barrier(runtime, "wait_for_everyone()")
+        _debug.barrier(job, "wait_for_everyone()")
 
 
 @contextlib.contextmanager
@@ -324,15 +321,15 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
         >>> data
         [0, 1, 2]
     """
-    runtime, rank, world, local_rank, _ = _position()
-    if runtime is None or world == 1:
+    job, rank, world, local_rank, _ = _position()
+    if job is None or world == 1:
         yield
         return
     label = f"main_process_first({'local=True' if local else ''})"
     first = (local_rank if local else rank) == 0
     _blame.refuse_rank_only(label, "its two waits")
     if not first:
-        _debug.barrier(runtime, label)
+        _debug.barrier(job, label)
     mark = None
     if first:  # the others wait at the start of the block: a collective inside would hang
         mark = _state.enter_rank_only(_state.RankOnly(label, (
@@ -347,4 +344,4 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
         if mark is not None:
             _state.leave_rank_only(mark)
     if first:
-        _debug.barrier(runtime, label)
+        _debug.barrier(job, label)

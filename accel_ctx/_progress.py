@@ -21,16 +21,12 @@ import os
 import socket
 import sys
 import threading
-from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
-
-    from ._distributed import DistributedRuntime
 
 INTERVAL_S = 1.0
 FORWARD, AFTER_FORWARD = "forward", "after forward"
@@ -106,8 +102,8 @@ def _user_line(frame: Any) -> str:
 class Heartbeat:
     """Publishes one rank's :class:`Progress` to the store every ``INTERVAL_S`` seconds."""
 
-    def __init__(self, runtime: DistributedRuntime, store: Store, key: str) -> None:
-        self.progress = runtime.progress
+    def __init__(self, progress: Progress, rank: int, store: Store, key: str) -> None:
+        self.progress = progress
         self.key = key
         self.store = store
         self.thread_id = threading.get_ident()  # the training thread, whose line is shown
@@ -123,7 +119,7 @@ class Heartbeat:
         except Exception:
             self._own = store
         self._thread = threading.Thread(
-            target=self._run, name=f"accel-ctx-heartbeat-rank{runtime.rank}", daemon=True
+            target=self._run, name=f"accel-ctx-heartbeat-rank{rank}", daemon=True
         )
 
     def start(self) -> None:
@@ -201,41 +197,3 @@ def process_gone(record: dict[str, Any]) -> bool:
         except OSError:
             return False
         return False
-
-
-def watch(runtime: DistributedRuntime, exits: ExitStack) -> None:
-    """For a base runtime: start its heartbeat (several processes) and announce its exit."""
-
-    def announce_exit(exc_type: type[BaseException] | None, exc: BaseException | None,
-                      tb: object) -> bool:
-        """Leaving, by an exception or not: the other ranks' next sync point fails at once,
-        naming this rank, and its last record says "left" or "failed" (see ``_blame``)."""
-        beat, runtime.heartbeat = runtime.heartbeat, None
-        if beat is not None:
-            beat.stop()
-        if runtime.world_size == 1 or not dist.is_initialized():
-            return False
-        from ._barrier import announce_failure
-
-        progress = runtime.progress
-        where = progress.describe()
-        if exc is None:
-            progress.state = LEFT
-            announce_failure(runtime, f"rank {runtime.rank} left distributed() at {where}", "left")
-        else:
-            text = f"{type(exc).__name__}: {exc}"
-            if progress.state != FAILED:  # not already failed naming someone else (_blame)
-                progress.state, progress.detail = FAILED, text[:500]
-            announce_failure(
-                runtime, f"rank {runtime.rank} left distributed() with {text} at {where}")
-        if beat is not None:
-            beat.publish(dist.distributed_c10d._get_default_store())
-        return False
-
-    exits.push(announce_exit)
-    if runtime.world_size > 1 and dist.is_initialized():
-        from ._barrier import store_and_prefix
-
-        store, prefix = store_and_prefix(runtime)
-        runtime.heartbeat = Heartbeat(runtime, store, f"{prefix}/progress/{runtime.rank}")
-        runtime.heartbeat.start()

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ._exchange import Described, mismatch
+from ._job import Job
 
 SLOTS = 256  # float64 values in reduce's first message (2 KiB): its size never varies
 _PIECES = 4  # 16-bit pieces of the 64-bit signature hash
@@ -40,11 +41,11 @@ _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceO
         "min": dist.ReduceOp.MIN}
 
 
-def reduce_tensors(runtime: Any, described: Described, op: str, device: torch.device,
+def reduce_tensors(job: Job, described: Described, op: str, device: torch.device,
                    advice: str, call: str) -> list[torch.Tensor]:
     """Every rank's tensors of ``described`` reduced with ``op``, checked to match first."""
     leaves = described.tensors
-    world = runtime.world_size
+    world = job.world_size
     pieces = [((described.digest >> (16 * i)) & 0xFFFF) + 1 for i in range(_PIECES)]
     summing = op in ("sum", "mean")
     head = [float(v) for s in pieces for v in ((s, s * s) if summing else (s, -s))]
@@ -65,7 +66,7 @@ def reduce_tensors(runtime: Any, described: Described, op: str, device: torch.de
     got = buffer[:_HEAD].tolist()
     expected = [v * world if summing else v for v in head]
     if got[:_FLAG] != expected:
-        mismatch(runtime, described, call, advice)
+        mismatch(job, described, call, advice)
     results: dict[int, torch.Tensor] = {}
     if inline:
         redo = set(large) if got[_FLAG] != 0 else set()
@@ -78,7 +79,7 @@ def reduce_tensors(runtime: Any, described: Described, op: str, device: torch.de
         rest = sorted(redo)
     else:
         rest = list(range(len(leaves)))
-    results.update(_native(runtime, leaves, rest, op))
+    results.update(_native(job, leaves, rest, op))
     return [results[i] for i in range(len(leaves))]
 
 
@@ -91,23 +92,21 @@ def _finish(part: torch.Tensor, t: torch.Tensor, op: str, world: int) -> torch.T
     return part.view(t.shape).to(t.device, dtype)
 
 
-def _native(runtime: Any, leaves: list[torch.Tensor], indices: list[int],
+def _native(job: Job, leaves: list[torch.Tensor], indices: list[int],
             op: str) -> dict[int, torch.Tensor]:
     """One all_reduce per dtype and device, in each tensor's own dtype."""
-    from ._collectives import comm_device
-
     groups: dict[Any, list[int]] = {}
     for i in indices:
         # keyed by where the data travels, which the signature checked: the same on every rank
-        travel = comm_device(runtime, leaves[i].device).type
+        travel = job.comm_device(leaves[i].device).type
         groups.setdefault((leaves[i].dtype, travel), []).append(i)
     results: dict[int, torch.Tensor] = {}
     for group in groups.values():
-        device = comm_device(runtime, leaves[group[0]].device)
+        device = job.comm_device(leaves[group[0]].device)
         flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
         dist.all_reduce(flat, _OPS[op])
         if op == "mean":
-            flat = flat / runtime.world_size
+            flat = flat / job.world_size
         sizes = [leaves[i].numel() for i in group]
         for i, part in zip(group, torch.split(flat, sizes), strict=True):
             results[i] = part.view(leaves[i].shape).to(leaves[i].device)

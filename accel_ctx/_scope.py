@@ -16,12 +16,13 @@ from collections.abc import Callable, Coroutine, Generator
 from contextlib import ExitStack
 from contextvars import Token
 from types import TracebackType
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import wrapt
 from typing_extensions import ParamSpec, Self
 
 from . import _patches, _state
+from ._concern import Concern
 from .errors import MisnestedScopeError
 
 P = ParamSpec("P")
@@ -42,14 +43,12 @@ class _Entry:
 class Scope:
     """Context manager and decorator; subclasses say what one entry sets up and tears down."""
 
-    concern: ClassVar[str]
-
     def __init__(self) -> None:
         self._entries: list[_Entry] = []
 
     # ---- what a subclass provides ---------------------------------------------------------
-    def _open(self, exits: ExitStack) -> object:
-        """Set up one entry; register every undo on ``exits``; return the frame's runtime."""
+    def _open(self, exits: ExitStack) -> Concern | tuple[Concern, ...]:
+        """Set up one entry; register every undo on ``exits``; return the runtime(s) it opens."""
         raise NotImplementedError
 
     # ---- entering and leaving ---------------------------------------------------------------
@@ -62,7 +61,8 @@ class Scope:
         except BaseException:
             exits.close()
             raise
-        return _Entry(_state.Frame(self.concern, runtime, type(self).__name__), exits)
+        runtimes = runtime if isinstance(runtime, tuple) else (runtime,)
+        return _Entry(_state.Frame(runtimes), exits)
 
     def _activate(self, entry: _Entry) -> None:
         entry.stack, entry.token = _state.push(entry.frame)

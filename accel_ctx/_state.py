@@ -14,17 +14,17 @@ import atexit
 import os
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
-import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from ._accumulate import AccumulateRuntime, NoSyncRuntime
-    from ._distributed import DistributedRuntime
-    from ._precision import PrecisionRuntime
+from ._concern import Concern, Hooks
+from ._job import SINGLE, Coordinates, Job
+from ._session import Session
+from ._shard import ShardPlan
 
 _get_ident = threading.get_ident
 
@@ -51,16 +51,14 @@ def ensure_fork_hook() -> None:
 # --------------------------------------------------------------------------------------------
 # frames and stacks
 # --------------------------------------------------------------------------------------------
-CONCERNS = ("distributed", "precision", "accumulate", "sync")
+C = TypeVar("C", bound=Concern)
 
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """What one scope entry contributes: its concern and its runtime (policy + live objects)."""
+    """What one scope entry contributes: the runtimes it opened (usually one)."""
 
-    concern: str
-    runtime: Any
-    scope_name: str
+    runtimes: tuple[Concern, ...]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -71,10 +69,12 @@ class Stack:
     session: Session
     pid: int
     thread: int
-    dist: DistributedRuntime | None = None
-    precision: PrecisionRuntime | None = None
-    accumulate: AccumulateRuntime | None = None
-    sync: NoSyncRuntime | None = None
+    slots: dict[str, Concern]
+    """The innermost runtime of each slot (a default only where no explicit one is open)."""
+    hooks: Hooks
+    """Per hook, the open runtimes that implement it, in order."""
+    job: Job | None = None
+    """The job of the innermost ``distributed()``."""
     in_forward: bool = False
     # The same stack with ``in_forward`` set; built once per push so a top-level module call
     # only sets the ContextVar instead of allocating.
@@ -83,16 +83,20 @@ class Stack:
     def owned_here(self) -> bool:
         return self.pid == _pid and self.thread == _get_ident()
 
-    def effective_precision(self) -> PrecisionRuntime | None:
-        """The innermost explicit precision scope, else the launcher default of distributed()."""
-        if self.precision is not None:
-            return self.precision
-        return self.dist.default_precision if self.dist is not None else None
+    def find(self, kind: type[C]) -> C | None:
+        """The runtime of ``kind``'s slot, if one of that kind is open."""
+        found = self.slots.get(kind.slot)
+        return found if isinstance(found, kind) else None
 
+    def concerns(self) -> list[Concern]:
+        """The open runtimes, one per slot, in order."""
+        return sorted(self.slots.values(), key=lambda c: c.order)
 
-_SLOTS = {"distributed": "dist", "precision": "precision", "accumulate": "accumulate", "sync": "sync"}
 
 _STACK: ContextVar[Stack | None] = ContextVar("accel_ctx_stack", default=None)
+# Set while a patched backward runs: Tensor subclasses dispatch backward through
+# __torch_function__ back to the patch, which must not scale the loss twice.
+IN_BACKWARD: ContextVar[bool] = ContextVar("accel_ctx_in_backward", default=False)
 
 
 def raw() -> Stack | None:
@@ -108,11 +112,33 @@ def current() -> Stack | None:
     return stack
 
 
-def _build(frames: tuple[Frame, ...], session: Session, in_forward: bool = False) -> Stack:
-    slots: dict[str, Any] = {}
-    for frame in frames:  # later frames are inner: they win
-        slots[_SLOTS[frame.concern]] = frame.runtime
-    return Stack(frames, session, _pid, _get_ident(), in_forward=in_forward, **slots)
+def coordinates() -> Coordinates:
+    """Where this process stands in the innermost ``distributed()`` job (rank 0 of 1 outside)."""
+    stack = current()
+    job = stack.job if stack is not None else None
+    return job.coordinates if job is not None else SINGLE
+
+
+def current_job() -> Job | None:
+    """The job of the innermost ``distributed()`` open here, if any."""
+    stack = current()
+    return stack.job if stack is not None else None
+
+
+def _resolve(frames: tuple[Frame, ...]) -> tuple[dict[str, Concern], Hooks, Job | None]:
+    slots: dict[str, Concern] = {}
+    job: Job | None = None
+    runtimes = [r for frame in frames for r in frame.runtimes]
+    for runtime in runtimes:  # later frames are inner: they win; defaults only fill gaps
+        if runtime.is_default:
+            slots.setdefault(runtime.slot, runtime)
+    for runtime in runtimes:
+        if not runtime.is_default:
+            slots[runtime.slot] = runtime
+        if runtime.job is not None:
+            job = runtime.job
+    ordered = sorted(slots.values(), key=lambda c: c.order)
+    return slots, Hooks(ordered), job
 
 
 def push(frame: Frame) -> tuple[Stack, Token[Stack | None]]:
@@ -121,10 +147,12 @@ def push(frame: Frame) -> tuple[Stack, Token[Stack | None]]:
     below = current()
     frames = (*below.frames, frame) if below is not None else (frame,)
     session = below.session if below is not None else Session()
+    slots, hooks, job = _resolve(frames)
+    here = (frames, session, _pid, _get_ident(), slots, hooks, job)
     # A scope opened inside a forward (or a decorated helper it calls) stays inside it: its
     # module calls are not top-level calls.
-    stack = _build(frames, session, in_forward=below is not None and below.in_forward)
-    object.__setattr__(stack, "forward", _build(frames, session, in_forward=True))
+    stack = Stack(*here, in_forward=below is not None and below.in_forward)
+    object.__setattr__(stack, "forward", Stack(*here, in_forward=True))
     return stack, _STACK.set(stack)
 
 
@@ -175,81 +203,6 @@ def leave_rank_only(token: Token[RankOnly | None]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# the session: mutable bookkeeping shared by the nested scopes of one outermost entry
-# --------------------------------------------------------------------------------------------
-class OptimizerRecord:
-    """Per-optimizer counters: calls of ``step()``, real steps, and re-entrancy depth."""
-
-    __slots__ = ("__weakref__", "calls", "depth", "depth_mark", "last_group", "real", "skipping")
-
-    def __init__(self) -> None:
-        self.calls = 0  # step() calls seen in a scope
-        self.real = 0  # of those, steps that really updated the parameters
-        self.depth = 0  # >1 while a subclass's step() calls super().step()
-        self.depth_mark = -1  # backward count when the outer step() began
-        self.last_group = -1  # accumulation group of the last allowed step
-        self.skipping = False
-
-
-class LoaderIteration:
-    """One epoch of one DataLoader being iterated in this thread."""
-
-    __slots__ = ("index", "is_last", "is_padding", "length", "loader", "uneven")
-
-    def __init__(self, length: int | None, uneven: Any = None) -> None:
-        self.length = length
-        self.index = -1  # index of the batch handed out last
-        self.is_last = False
-        self.is_padding = False  # that batch repeats earlier samples to even out the ranks
-        self.loader: Any = None  # the DataLoader being iterated (the stock iterator drops it)
-        self.uneven = uneven  # even_batches=False: the _join.UnevenTail of this epoch
-
-
-class Session:
-    """Counters of one outermost scope entry in one thread (steps, backward passes, loaders)."""
-
-    def __init__(self) -> None:
-        self.backward_calls = 0
-        self.step = 0  # optimizer steps taken (skipped fp16 steps included)
-        self.skipped_steps = 0
-        self.last_counted_group = -1
-        self.optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerRecord] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.schedulers: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
-            weakref.WeakKeyDictionary()
-        )
-        self.loaders: list[LoaderIteration] = []
-        # DataLoaders in the order of their first iteration in this session, and what runs at
-        # each first iteration (a checkpoint's positions for loaders it knows by that order).
-        self.loader_order: list[weakref.ref[Any]] = []
-        self.loader_hooks: list[Callable[[Any, LoaderRecord], None]] = []
-
-    def first_iteration(self, loader: Any, record: LoaderRecord) -> None:
-        """Note ``loader`` when it is iterated for the first time in this session."""
-        if any(ref() is loader for ref in self.loader_order):
-            return
-        self.loader_order.append(weakref.ref(loader))
-        for hook in list(self.loader_hooks):
-            hook(loader, record)
-
-    def optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
-        record = self.optimizers.get(optimizer)
-        if record is None:
-            record = self.optimizers[optimizer] = OptimizerRecord()
-        return record
-
-    def active_loader(self) -> LoaderIteration | None:
-        """The loader that handed out a batch most recently started (an inner loop's)."""
-        return self.loaders[-1] if self.loaders else None
-
-    def driving_loader(self) -> LoaderIteration | None:
-        """The outermost loader being iterated: it ends accumulation groups (not a side stream
-        or an evaluation loop inside the training loop)."""
-        return self.loaders[0] if self.loaders else None
-
-
-# --------------------------------------------------------------------------------------------
 # per-object bookkeeping
 # --------------------------------------------------------------------------------------------
 MODULE_KEY = "_accel_ctx"
@@ -270,7 +223,7 @@ class ModuleRecord:
         self.root = root
         # the DDP engine of a root: None until its first call with gradients, then the engine,
         # or False when it needs none (nothing to train, or a single process)
-        self.engine: Any = None
+        self.engine: nn.Module | bool | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
         return {}
@@ -279,12 +232,12 @@ class ModuleRecord:
         return (dict, ())
 
 
-def module_record(module: torch.nn.Module) -> ModuleRecord | None:
+def module_record(module: nn.Module) -> ModuleRecord | None:
     record = module.__dict__.get(MODULE_KEY)
     return record if isinstance(record, ModuleRecord) else None
 
 
-def set_module_record(module: torch.nn.Module, record: ModuleRecord | None) -> None:
+def set_module_record(module: nn.Module, record: ModuleRecord | None) -> None:
     if record is None:
         module.__dict__.pop(MODULE_KEY, None)
     else:
@@ -308,11 +261,11 @@ class LoaderRecord:
     )
 
     def __init__(self) -> None:
-        self.plan: Any = None  # set only while the stock iterator is being built in a scope
-        self.view: Any = None  # the sharding view handed to the stock iterator
-        self.indices: Any = None  # the view's index iterator of the current epoch
+        self.plan: ShardPlan | None = None  # set only while the stock iterator is being built
+        self.view: object = None  # the sharding view handed to the stock iterator
+        self.indices: Iterator[Any] | None = None  # the view's index iterator of this epoch
         self.epoch = 0  # epochs started inside a scope
-        self.epoch_plan: Any = None  # the sharding plan of the current epoch
+        self.epoch_plan: ShardPlan | None = None  # the sharding plan of the current epoch
         self.yielded = 0  # batches of the current epoch handed to the user on this rank
         self.epoch_start_rng: Any = None  # RNG states just before the epoch drew its order
         self.resume_skip = 0  # global batches to skip in the next epoch (checkpoint resume)
@@ -338,24 +291,24 @@ def peek_loader_record(loader: Any) -> LoaderRecord | None:
 # --------------------------------------------------------------------------------------------
 _process_lock = threading.Lock()
 # Precision runtimes open in any thread of this process, for @autocast_forward in helper threads.
-_open_precisions: dict[int, PrecisionRuntime] = {}
+_open_precisions: dict[int, Concern] = {}
 # Rendezvous stores outlive a scope: a TCPStore server torn down while a peer reconnects for
 # the next scope would race. Each process-group generation uses its own key prefix.
 _stores: dict[tuple[str, int, int], Any] = {}
 _pg_generation = 0
 
 
-def register_precision(runtime: PrecisionRuntime) -> None:
+def register_precision(runtime: Concern) -> None:
     with _process_lock:
         _open_precisions[id(runtime)] = runtime
 
 
-def unregister_precision(runtime: PrecisionRuntime) -> None:
+def unregister_precision(runtime: Concern) -> None:
     with _process_lock:
         _open_precisions.pop(id(runtime), None)
 
 
-def open_precisions() -> list[PrecisionRuntime]:
+def open_precisions() -> list[Concern]:
     with _process_lock:
         return list(_open_precisions.values())
 
@@ -382,101 +335,3 @@ def next_pg_generation() -> int:
     with _process_lock:
         _pg_generation += 1
         return _pg_generation
-
-
-# --------------------------------------------------------------------------------------------
-# the public snapshot
-# --------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class State:
-    """A read-only snapshot of where this process stands, taken by :func:`state`."""
-
-    rank: int = 0
-    """This process's index in the job (0 outside ``distributed()``)."""
-    world_size: int = 1
-    """Processes in the job."""
-    local_rank: int = 0
-    """Index among the processes on this machine."""
-    local_world_size: int = 1
-    """Processes on this machine."""
-    node_rank: int = 0
-    """Index of this machine."""
-    num_nodes: int = 1
-    """Machines in the job."""
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    """Where ``distributed()`` puts modules and batches."""
-    backend: str | None = None
-    """The process group's backend (None for one process)."""
-    distributed: bool = False
-    """Inside a ``distributed()`` scope."""
-    mixed_precision: str = "no"
-    """The active precision policy: 'bf16', 'fp16' or 'no'."""
-    loss_scale: float | None = None
-    """fp16: the current loss scale (updated before the next backward)."""
-    skipped_steps: int = 0
-    """fp16: optimizer steps skipped because of inf/NaN gradients."""
-    accumulation_steps: int = 1
-    """Micro-batches per optimizer step."""
-    sync_gradients: bool = True
-    """Whether the last backward closed an accumulation group (a real optimizer step follows)."""
-    step: int = 0
-    """Optimizer steps taken in this scope (once per accumulation group, skipped ones included)."""
-
-    @property
-    def is_main_process(self) -> bool:
-        """Rank 0 of the job."""
-        return self.rank == 0
-
-    @property
-    def is_local_main_process(self) -> bool:
-        """The first process on this machine."""
-        return self.local_rank == 0
-
-    @property
-    def is_last_process(self) -> bool:
-        """The highest rank of the job."""
-        return self.rank == self.world_size - 1
-
-
-def state() -> State:
-    """Where this process stands: rank, world size, device and the active settings.
-
-    Read when called, so it follows the scopes: outside any scope it answers for a single
-    process (rank 0 of 1, on the CPU).
-
-    Example:
-        >>> from accel_ctx import distributed, state
-        >>> state().world_size
-        1
-        >>> with distributed():
-        ...     s = state()
-        >>> s.rank, s.is_main_process
-        (0, True)
-    """
-    stack = current()
-    if stack is None:
-        return State()
-    values: dict[str, Any] = {"step": stack.session.step, "skipped_steps": stack.session.skipped_steps}
-    runtime = stack.dist
-    if runtime is not None:
-        launch = runtime.launch
-        values.update(
-            rank=launch.rank,
-            world_size=launch.world_size,
-            local_rank=launch.local_rank,
-            local_world_size=launch.local_world_size,
-            node_rank=launch.node_rank,
-            num_nodes=launch.num_nodes,
-            device=runtime.device,
-            backend=runtime.backend,
-            distributed=True,
-        )
-    precision = stack.effective_precision()
-    if precision is not None:
-        values.update(mixed_precision=precision.policy.name, loss_scale=precision.loss_scale())
-    accumulation = stack.accumulate
-    if accumulation is not None:
-        values.update(
-            accumulation_steps=accumulation.steps, sync_gradients=accumulation.sync_gradients
-        )
-    return State(**values)

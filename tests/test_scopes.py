@@ -231,7 +231,7 @@ def test_nested_distributed_is_harmless():
         with distributed():
             model = train("mlp", 16, epochs=1)
             inner = state()
-        assert _state.current().dist is not None  # the outer scope is intact
+        assert _state.current().job is not None  # the outer scope is intact
     assert (inner.rank, inner.world_size, inner.device) == (outer.rank, outer.world_size, outer.device)
     assert all(torch.equal(v, params(model)[k]) for k, v in reference.items())
 

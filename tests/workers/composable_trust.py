@@ -44,7 +44,7 @@ def _train(apply: str) -> dict[str, Any]:
 
 def _part() -> dict[str, Any]:
     """A model whose part is replicated: accel_ctx adopts neither the part nor the whole."""
-    from accel_ctx._distributed import composable_apis
+    from accel_ctx._adopt import composable_apis
 
     with distributed():
         torch.manual_seed(0)

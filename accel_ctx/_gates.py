@@ -1,0 +1,245 @@
+"""What runs inside the patched entry points while a scope is open: the open concerns' hooks.
+
+``_patches`` installs these gates (and the stock functions they fall back to) with the first
+scope; each gate runs the hooks of the stack's concerns (``_concern.Concern``) in their order.
+The common parts stay here: counting steps and backward passes, re-entrant ``step()`` calls,
+skipping a step without touching the parameters, LR schedulers that wait for real steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from . import _data, _state
+from ._concern import ForwardCall
+from ._session import OptimizerRecord, Session
+
+VIEW_MARK = "_accel_ctx_skipped_step_view"
+
+
+class _Stock:
+    """torch's own functions, captured when the patches are installed."""
+
+    module_call: Any = None
+    backward: Any = None
+
+
+stock = _Stock()
+
+
+def module_device_type(module: nn.Module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def top_level_call(
+    stack: _state.Stack, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A module called outside any adopted forward: the open concerns shape and wrap the call."""
+    if not stack.owned_here():  # a forked worker or a thread that inherited the context
+        return stock.module_call(module, *args, **kwargs)
+    hooks = stack.hooks
+    call = ForwardCall(module, args, kwargs, torch.is_grad_enabled())
+    for before in hooks.before_forward:  # picks the engine (a broadcast from rank 0 at first)
+        before(call, stack.session)
+    if call.engine is not None and call.grad and call.sync is not None:
+        call.engine.require_backward_grad_sync = call.sync
+    if hooks.forward_context and call.device_type is None:
+        call.device_type = module_device_type(module)
+    try:
+        contexts = [c for h in hooks.forward_context if (c := h(call)) is not None]
+        token = _state.enter_forward(stack)
+        try:
+            out = run(call, contexts)
+        finally:
+            _state.reset(token)
+        for after in hooks.after_forward:
+            out = after(call, out)
+        return out
+    except Exception as exc:
+        for failed in hooks.forward_failed:
+            failed(call, exc)
+        raise
+    finally:
+        for done in hooks.forward_done:
+            done(call)
+
+
+def run(call: ForwardCall, contexts: list[AbstractContextManager[Any]]) -> Any:
+    if not contexts:
+        return call.target(*call.args, **call.kwargs)
+    if len(contexts) == 1:
+        with contexts[0]:
+            return call.target(*call.args, **call.kwargs)
+    with contextlib.ExitStack() as exits:
+        for context in contexts:
+            exits.enter_context(context)
+        return call.target(*call.args, **call.kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor.backward
+# ------------------------------------------------------------------------------------------------
+def params_in_play(stack: _state.Stack) -> list[torch.Tensor]:
+    params = {id(p): p for p in stack.session.params_in_play()}
+    if stack.job is not None:
+        for module in list(stack.job.adoption.modules):
+            params.update((id(p), p) for p in module.parameters())
+    return list(params.values())
+
+
+def backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None or _state.IN_BACKWARD.get():
+        return wrapped(*args, **kwargs)
+    session = stack.session
+    hooks = stack.hooks
+    loss = instance
+    for before in hooks.before_backward:
+        loss = before(loss, session)
+    # Tensor subclasses dispatch backward through __torch_function__ back to this patch.
+    token = _state.IN_BACKWARD.set(True)
+    try:
+        result = stock.backward(loss, *args, **kwargs)
+    except Exception as exc:
+        for failed in hooks.backward_failed:
+            failed(exc)
+        raise
+    finally:
+        _state.IN_BACKWARD.reset(token)
+    session.backward_calls += 1
+    for after in hooks.after_backward:
+        after(session, lambda: params_in_play(stack))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# DataLoader
+# ------------------------------------------------------------------------------------------------
+def loader_iter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None:
+        return wrapped(*args, **kwargs)
+    return _data.scoped_iter(stack, instance, wrapped)
+
+
+def loader_len(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None:
+        return wrapped(*args, **kwargs)
+    return _data.scoped_len(stack, instance, wrapped)
+
+
+def index_sampler_property() -> property:
+    original = DataLoader.__dict__["_index_sampler"]
+
+    def _index_sampler(loader: DataLoader[Any]) -> Any:
+        record = _state.peek_loader_record(loader)
+        if record is not None and record.plan is not None:  # our __iter__ is building it
+            return record.view
+        return original.fget(loader)
+
+    return property(_index_sampler, doc=original.__doc__)
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizers and schedulers
+# ------------------------------------------------------------------------------------------------
+def skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A stand-in with the optimizer's settings but no parameters: its step() changes nothing."""
+    view: torch.optim.Optimizer = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.__dict__["param_groups"] = [{**g, "params": []} for g in optimizer.param_groups]
+    view.__dict__[VIEW_MARK] = True
+    return view
+
+
+def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+    record = stack.session.optimizers.get(optimizer)
+    if record is None:
+        record = stack.session.optimizer(optimizer)
+        for first in stack.hooks.first_optimizer:  # e.g. follow the adopted models' devices
+            first(optimizer)
+    return record
+
+
+def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    if optimizer.__dict__.get(VIEW_MARK):
+        return None
+    stack = _state.current()
+    if stack is None:
+        return None
+    session = stack.session
+    hooks = stack.hooks
+    record = optimizer_record(stack, optimizer)
+    if record.depth and record.depth_mark == session.backward_calls:
+        record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
+        return None
+    record.depth, record.depth_mark = 1, session.backward_calls
+    record.calls += 1
+    skip = not all(allows(record) for allows in hooks.allows_step)
+    if not skip:
+        # one step per backward, however many optimizers take it
+        if session.last_counted_group != session.backward_calls:
+            session.last_counted_group = session.backward_calls
+            session.step += 1
+        if any(skips(optimizer) for skips in hooks.skips_step):
+            skip = True
+            session.skipped_steps += 1
+    record.skipping = skip
+    for before in hooks.before_step:
+        before(session)
+    if skip:
+        return ((skipped_view(optimizer), *args[1:]), kwargs)
+    return None
+
+
+def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stack = _state.current()
+    if stack is None:
+        return
+    record = stack.session.optimizers.get(optimizer)
+    if record is None or record.depth == 0:
+        return
+    record.depth -= 1
+    if record.depth == 0:
+        if not record.skipping:
+            record.real += 1
+        for after in stack.hooks.after_step:
+            after()
+
+
+def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is not None:
+        if isinstance(instance, torch.optim.Optimizer):
+            optimizer_record(stack, instance)  # known from now on (clipping under fp16)
+        if not all(allows() for allows in stack.hooks.allows_zero_grad):
+            return None  # mid-group: the accumulated gradients must stay
+    return wrapped(*args, **kwargs)
+
+
+def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is not None and schedule_must_wait(stack.session, instance):
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def schedule_must_wait(session: Session, scheduler: Any) -> bool:
+    """Skip when the optimizer was stepped since the last schedule step, but never for real."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    record = session.optimizers.get(optimizer) if optimizer is not None else None
+    now = (record.calls, record.real) if record is not None else (0, 0)
+    seen = session.schedulers.get(scheduler)
+    session.schedulers[scheduler] = now
+    if seen is None or record is None:
+        return False
+    return now[0] > seen[0] and now[1] == seen[1]

@@ -1,0 +1,145 @@
+"""Forming the job: launch environment -> process group -> device, and leaving it.
+
+``start_job`` reads the launch environment, joins (or adopts) the process group, picks and sets
+the device, and registers on the entry's ``ExitStack`` everything that undoes it: the group's
+destruction, the previous CUDA device, and the exit announcement that lets the other ranks'
+next wait fail at once, naming this rank.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
+
+from . import _env, _rendezvous, _state
+from ._adopt import release_all
+from ._barrier import announce_failure, store_and_prefix
+from ._dist_options import DistributedOptions, check_backend, pick_backend, pick_device
+from ._job import Job
+from ._progress import FAILED, LEFT, Heartbeat
+from .errors import DistributedError, LaunchEnvironmentError, RendezvousError
+
+
+def start_job(options: DistributedOptions, exits: ExitStack) -> Job:
+    """Form the job of an outermost ``distributed()``; its undo goes on ``exits``."""
+    launch = _env.detect()
+    backend: str | None = None
+    if dist.is_available() and dist.is_initialized():
+        # The user (or a library) already formed the group: use it, leave it to them.
+        launch = _launch_from_group(launch)
+        device = pick_device(options, launch)
+        backend = str(dist.get_backend())
+    else:
+        device = pick_device(options, launch)
+        if launch.is_distributed:
+            backend = pick_backend(options, device)
+            _init_process_group(launch, options, backend, device)
+            exits.callback(dist.destroy_process_group)
+    if device.type == "cuda":
+        previous = torch.cuda.current_device()
+        torch.cuda.set_device(device)
+        exits.callback(torch.cuda.set_device, previous)
+    job = Job(launch, device, backend, options)
+    exits.callback(release_all, job)
+    _watch(job, exits)
+    return job
+
+
+def _store_key(launch: _env.LaunchEnv, options: DistributedOptions) -> tuple[str, int, int]:
+    init_method = options.init_method or launch.init_method
+    target = init_method or f"tcp://{launch.master_addr}:{launch.master_port}"
+    return (target, launch.rank, launch.world_size)
+
+
+def _init_process_group(
+    launch: _env.LaunchEnv, options: DistributedOptions, backend: str, device: torch.device
+) -> None:
+    """Reach the store, wait there for every rank (with progress lines), form the group."""
+    init_method = options.init_method or launch.init_method
+    address = _rendezvous.address_of(launch, init_method)
+    where = f"rank {launch.rank} of {launch.world_size} ({launch.source}, rendezvous at {address})"
+    seconds = options.timeout.total_seconds()
+    check_backend(backend, device)
+    waiter = _rendezvous.Waiter(launch, address, options.timeout)
+    key = _store_key(launch, options)
+    try:
+        base: Store | None = _state.cached_store(key)
+        if base is None:
+            base = _rendezvous.connect(launch, init_method, options.timeout, waiter)
+        # A fresh key prefix per process group: sequential scopes and elastic restarts reuse
+        # the same store, and must not see each other's barrier counters.
+        generation = _state.next_pg_generation()
+        store = PrefixStore(f"accel_ctx/{launch.restart_count}/{generation}", base)
+        _rendezvous.await_peers(store, launch, waiter)
+        dist.init_process_group(
+            backend,
+            store=store,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=options.timeout,
+        )
+        # Kept for the process's next scopes only once a group formed with it.
+        _state.cache_store(key, base)
+    except (RendezvousError, LaunchEnvironmentError):
+        raise
+    except Exception as exc:
+        if waiter.left() > 0.1 * seconds and "timeout" not in str(exc).lower():
+            raise DistributedError(
+                f"{where}: the process group could not be set up: {exc}"
+            ) from exc
+        raise RendezvousError(
+            f"{where}: the process group did not form within {seconds:g} s ({exc}). Check that "
+            f"all {launch.world_size} processes were started with the same MASTER_ADDR/"
+            "MASTER_PORT and can reach rank 0; raise distributed(timeout=...) if start-up is slow."
+        ) from exc
+
+
+def _launch_from_group(launch: _env.LaunchEnv) -> _env.LaunchEnv:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if launch.is_distributed and (launch.rank, launch.world_size) != (rank, world):
+        raise LaunchEnvironmentError(
+            f"the process group already initialised says rank {rank} of {world}, the "
+            f"environment says rank {launch.rank} of {launch.world_size}; make them agree."
+        )
+    if not launch.is_distributed:
+        # no launcher variables: assume one machine, as the group's creator most likely did
+        launch = replace(launch, source="process group", local_rank=rank,
+                         local_world_size=world, num_nodes=1)
+    return replace(launch, rank=rank, world_size=world)
+
+
+def _watch(job: Job, exits: ExitStack) -> None:
+    """Start the job's heartbeat (several processes) and announce its exit to the others."""
+
+    def announce_exit(exc_type: type[BaseException] | None, exc: BaseException | None,
+                      tb: object) -> bool:
+        """Leaving, by an exception or not: the other ranks' next sync point fails at once,
+        naming this rank, and its last record says "left" or "failed" (see ``_blame``)."""
+        beat, job.heartbeat = job.heartbeat, None
+        if beat is not None:
+            beat.stop()
+        if job.world_size == 1 or not dist.is_initialized():
+            return False
+        progress = job.progress
+        where = progress.describe()
+        if exc is None:
+            progress.state = LEFT
+            announce_failure(job, f"rank {job.rank} left distributed() at {where}", "left")
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+            if progress.state != FAILED:  # not already failed naming someone else (_blame)
+                progress.state, progress.detail = FAILED, text[:500]
+            announce_failure(job, f"rank {job.rank} left distributed() with {text} at {where}")
+        if beat is not None:
+            beat.publish(dist.distributed_c10d._get_default_store())
+        return False
+
+    exits.push(announce_exit)
+    if job.world_size > 1 and dist.is_initialized():
+        store, prefix = store_and_prefix(job)
+        job.heartbeat = Heartbeat(job.progress, job.rank, store, f"{prefix}/progress/{job.rank}")
+        job.heartbeat.start()
