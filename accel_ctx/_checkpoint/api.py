@@ -1,12 +1,12 @@
 """``save_state`` / ``load_state``: resume anywhere, bit-identical, never half-written.
 
 Models, optimizers and other objects with ``state_dict`` go through
-``torch.distributed.checkpoint`` (see ``_checkpoint_dcp``), so W ranks' checkpoint loads on W'
+``torch.distributed.checkpoint`` (see ``dcp``), so W ranks' checkpoint loads on W'
 ranks. What accel_ctx owns (counters, loss scale, accumulation, RNG states, loader positions)
-is kept beside (``_checkpoint_state``, ``_rng``); the folder layout and the atomic publish
-protocol are described in ``_checkpoint_files``, the checksums in ``_checkpoint_sums``, how a
-load picks an intact checkpoint in ``_checkpoint_find``, and the arrival check, the folder lock
-and full-disk errors in ``_checkpoint_guard``.
+is kept beside (``state``, ``rng``); the folder layout and the atomic publish
+protocol are described in ``files``, the checksums in ``sums``, how a
+load picks an intact checkpoint in ``find``, and the arrival check, the folder lock
+and full-disk errors in ``guard``.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _checkpoint_state as owned
-from . import _rng, _state
-from ._blame import collective
-from ._warn import warn_user
-from .errors import CheckpointError, ConfigurationError
+from .. import _state
+from .._blame import collective
+from .._warn import warn_user
+from ..errors import CheckpointError, ConfigurationError
+from . import rng
+from . import state as owned
 
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
 # save or load, never by ``import accel_ctx``.
@@ -92,9 +93,8 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
             f"save_state(keep_last={keep_last!r}): give how many checkpoints to keep (>= 1), "
             "or None to keep them all."
         )
-    from . import _checkpoint_dcp as objs
-    from . import _checkpoint_files as files
-    from . import _checkpoint_guard as guard
+    from . import dcp as objs
+    from . import files, guard
 
     stateful, named_loaders = objs.split(objects, "save_state")
     guard.arrive("save_state()")
@@ -138,10 +138,9 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
     size and step."""
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-    from . import _checkpoint_dcp as objs
-    from . import _checkpoint_files as files
-    from . import _checkpoint_guard as guard
-    from ._checkpoint_sums import ChecksumWriter
+    from . import dcp as objs
+    from . import files, guard
+    from .sums import ChecksumWriter
 
     rank, world, step = where
     counters = owned.capture_counters(stack, stateful)
@@ -158,7 +157,7 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
     mine = files.rank_file(rank)
     try:
         written[mine] = files.save_torch(tmp / mine, {
-            "rng": _rng.capture(),
+            "rng": rng.capture(),
             "generators": [owned.generator_state(loader) for _, loader in loaders],
             "grads": _partial_grads(counters, stateful),
         })
@@ -223,10 +222,8 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
         >>> bool(resumed), torch.equal(fresh.weight, model.weight)
         (True, True)
     """
-    from . import _checkpoint_dcp as objs
-    from . import _checkpoint_files as files
-    from . import _checkpoint_find as find
-    from . import _checkpoint_guard as guard
+    from . import dcp as objs
+    from . import files, find, guard
 
     stateful, named_loaders = objs.split(objects, "load_state")
     guard.arrive("load_state()")
@@ -251,7 +248,7 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     _restore_partial_grads(stack, counters, mine, stateful, world == saved_world)
     _resume_loaders(stack, shared["loaders"], generators, named_loaders)
     if mine is not None:
-        _rng.restore(mine["rng"])
+        rng.restore(mine["rng"])
     return Resumed(folder, int(info["step"]), int(info["epoch"]), saved_world)
 
 

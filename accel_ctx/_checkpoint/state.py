@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import _data, _state
+from .. import _data, _state
 
 
 # ---- counters ------------------------------------------------------------------------------------
