@@ -5,7 +5,7 @@ the core imports it; ``accel_ctx`` loads it on first use of one of its names, so
 ``import accel_ctx`` never pays for ``torch.distributed.checkpoint``. Its modules, each
 importing only those listed after it:
 
-- ``api``: ``save_state``, ``load_state``, ``Resumed``
+- ``save``: ``save_state``; ``load``: ``load_state`` and the ``Resumed`` it returns
 - ``model``: ``save_model``, one file of weights for inference
 - ``state``: what accel_ctx owns (counters, loss scale, loader positions); ``rng``: RNG states
 - ``find``: which checkpoint a load takes, the newest complete and intact one
@@ -16,7 +16,8 @@ importing only those listed after it:
 
 from __future__ import annotations
 
-from .api import Resumed, load_state, save_state
+from .load import Resumed, load_state
 from .model import save_model
+from .save import save_state
 
 __all__ = ["Resumed", "load_state", "save_model", "save_state"]
