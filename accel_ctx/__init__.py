@@ -38,8 +38,7 @@ from ._process import (
 from ._status import State, state
 
 if TYPE_CHECKING:
-    from ._checkpoint import Resumed, load_state, save_state
-    from ._checkpoint_model import save_model
+    from ._checkpoint import Resumed, load_state, save_model, save_state
     from ._launch import launch
 
 __all__ = [
@@ -92,7 +91,7 @@ del _name
 
 # The checkpoint and launcher wings load on first use, so `import accel_ctx` stays cheap.
 _LAZY = {"Resumed": "_checkpoint", "save_state": "_checkpoint", "load_state": "_checkpoint",
-         "save_model": "_checkpoint_model", "launch": "_launch"}
+         "save_model": "_checkpoint", "launch": "_launch"}
 
 
 def __getattr__(name: str) -> Any:

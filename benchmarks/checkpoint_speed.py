@@ -56,7 +56,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from accel_ctx import _checkpoint_find, _checkpoint_sums, load_state, save_state
+from accel_ctx import load_state, save_state
+from accel_ctx._checkpoint import find, sums
 
 TARGET = 1.10
 
@@ -64,13 +65,13 @@ TARGET = 1.10
 @contextlib.contextmanager
 def checksums_off() -> Iterator[None]:
     """save_state records no CRC-32 (zeros instead) and load_state verifies none."""
-    crc, verify = _checkpoint_sums._crc32, _checkpoint_find.mismatches
-    _checkpoint_sums._crc32 = lambda data, value=0: 0
-    _checkpoint_find.mismatches = lambda *args: None
+    crc, verify = sums._crc32, find.mismatches
+    sums._crc32 = lambda data, value=0: 0
+    find.mismatches = lambda *args: None
     try:
         yield
     finally:
-        _checkpoint_sums._crc32, _checkpoint_find.mismatches = crc, verify
+        sums._crc32, find.mismatches = crc, verify
 
 
 def make_model() -> nn.Module:

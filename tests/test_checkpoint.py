@@ -25,7 +25,7 @@ from accel_ctx import (
     save_state,
     state,
 )
-from accel_ctx import _checkpoint_model as model_file
+from accel_ctx._checkpoint import model as model_file
 
 from .workers.common import MLP, make_data, params
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from accel_ctx import _checkpoint_files as files
+from accel_ctx._checkpoint import files
 
 from .workers import checkpoint_kill
 

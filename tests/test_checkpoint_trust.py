@@ -25,9 +25,8 @@ import pytest
 import torch
 from torch import nn
 
-from accel_ctx import _checkpoint_files as files
-from accel_ctx import _checkpoint_guard as guard
 from accel_ctx import distributed, errors, load_state, save_model, save_state
+from accel_ctx._checkpoint import files, guard
 
 from ._spawn import spawn
 from .workers import checkpoint_trust as trust

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel_ctx import _checkpoint_dcp, _checkpoint_files, load_state, save_state
+from accel_ctx import load_state, save_state
+from accel_ctx._checkpoint import dcp
+from accel_ctx._checkpoint import files as checkpoint_files
 
-_ = _checkpoint_dcp  # imported here, in the forkserver, so a forked saver starts at once
+_ = dcp  # imported here, in the forkserver, so a forked saver starts at once
 
 KEEP = 2
 
@@ -87,7 +89,7 @@ def _die_at(call: int) -> None:
             return fn(*args, **kwargs)
         return wrapper
 
-    files: Any = _checkpoint_files
+    files: Any = checkpoint_files
     files.write_synced = counted(files.write_synced)
     files.fsync_dir = counted(files.fsync_dir)
     os.rename = counted(os.rename)  # type: ignore[method-assign]

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from accel_ctx import (
-    _checkpoint_files,
-    _checkpoint_find,
     distributed,
     load_state,
     save_model,
@@ -25,8 +23,7 @@ from accel_ctx import (
     state,
     wait_for_everyone,
 )
-from accel_ctx import _checkpoint_guard as guard
-from accel_ctx import _checkpoint_sums as sums
+from accel_ctx._checkpoint import files, find, guard, sums
 
 from .common import MLP, params
 
@@ -114,7 +111,7 @@ def damage_and_full_disk(root: str) -> dict[str, Any]:
         second = save_state(folder, model=model, optimizer=opt)
         wait_for_everyone()
         if rank == 0:
-            manifest = _checkpoint_find.read_manifest(second)
+            manifest = find.read_manifest(second)
             victim = sums.share(manifest["files"], 1, 2)[0]  # rank 1 verifies this one
             flip_byte(second / victim)
             out["victim"] = victim
@@ -128,18 +125,18 @@ def damage_and_full_disk(root: str) -> dict[str, Any]:
         out["weights"] = all(torch.equal(v, params(fresh)[k]) for k, v in expected.items())
         out["warnings"] = [str(w.message) for w in caught]
         # rank 1's part meets a full disk: a real ENOSPC from the kernel (/dev/full)
-        begin = _checkpoint_files.begin
+        begin = files.begin
 
         def trapped(root_: Path, step: int) -> Path:
             tmp = begin(root_, step)
-            os.symlink("/dev/full", tmp / _checkpoint_files.rank_file(1))
+            os.symlink("/dev/full", tmp / files.rank_file(1))
             return tmp
 
-        _checkpoint_files.begin = trapped  # type: ignore[assignment]
+        files.begin = trapped  # type: ignore[assignment]
         try:
             out["full"] = _error(lambda: save_state(folder, model=model, optimizer=opt))
         finally:
-            _checkpoint_files.begin = begin  # type: ignore[assignment]
+            files.begin = begin  # type: ignore[assignment]
         wait_for_everyone()
         out["left"] = sorted(p.name for p in folder.iterdir())
     return out
@@ -149,7 +146,7 @@ def hold_the_lock(root: str, ready: str) -> None:
     """Save into ``root`` and stop just before publishing, holding the folder's lock, until
     killed (``ready`` is written once the lock is held)."""
     torch.set_num_threads(1)
-    publish = _checkpoint_files.publish
+    publish = files.publish
 
     def stalled(*args: Any, **kwargs: Any) -> Path:
         Path(ready).write_text(str(os.getpid()))
@@ -157,5 +154,5 @@ def hold_the_lock(root: str, ready: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
         return publish(*args, **kwargs)
 
-    _checkpoint_files.publish = stalled  # type: ignore[assignment]
+    files.publish = stalled  # type: ignore[assignment]
     save_state(root, model=MLP())

@@ -1,7 +1,7 @@
 """Finding the checkpoint to load: the newest one that is complete and intact.
 
 ``load_state(root)`` tries the checkpoints under ``root`` newest first. Each is checked before
-anything is read from it, by every rank together (see ``_checkpoint_sums``): rank 0 compares the
+anything is read from it, by every rank together (see ``sums``): rank 0 compares the
 folder with its manifest (a file missing, truncated or added) and the manifest with its own
 checksum, and each rank verifies the CRC-32 of its share of the files. A checkpoint failing a
 check is skipped with a warning naming the file, for the one before it; when ``root`` names one
@@ -17,10 +17,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from . import _checkpoint_files as files
-from ._checkpoint_sums import manifest_crc32, mismatches, share
-from ._warn import warn_user
-from .errors import CheckpointError
+from .._warn import warn_user
+from ..errors import CheckpointError
+from . import files
+from .sums import manifest_crc32, mismatches, share
 
 
 def read_manifest(folder: Path) -> dict[str, Any]:
@@ -106,7 +106,7 @@ _fresh_logged: set[str] = set()
 
 def choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
     """The newest intact checkpoint the ranks agree on, verified by all of them together."""
-    from . import _checkpoint_dcp as objs
+    from . import dcp as objs
 
     listing: tuple[bool, list[str], list[str]] = (False, [], [])
     error: BaseException | None = None

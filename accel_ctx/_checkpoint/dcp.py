@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.utils.data import DataLoader
 
-from . import _checkpoint_files as files
-from . import _state
-from .errors import CheckpointError, ConfigurationError
+from .. import _state
+from ..errors import CheckpointError, ConfigurationError
+from . import files
 
 
 # ---- the ranks ---------------------------------------------------------------------------------
@@ -230,7 +230,7 @@ def checkpoint_errors(folder: Path, verb: str, root: Path | None = None) -> Iter
     """DCP reports any rank's failure on every rank as a CheckpointException (a BaseException,
     which ``except Exception`` misses): turn it into a CheckpointError naming rank and cause
     (a full disk as such when saving into ``root``)."""
-    from ._checkpoint_guard import explain
+    from .guard import explain
 
     try:
         yield

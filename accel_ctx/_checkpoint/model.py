@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._blame import collective
-from ._warn import warn_user
+from .._blame import collective
+from .._warn import warn_user
 
 
 def _safetensors_available() -> bool:
@@ -45,8 +45,8 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from . import _checkpoint_dcp as objs  # imported here: DCP is slow to import
-    from ._checkpoint_guard import arrive, explain
+    from . import dcp as objs  # imported here: DCP is slow to import
+    from .guard import arrive, explain
 
     arrive("save_model()")
     target = Path(path)
@@ -71,7 +71,7 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
 
 
 def _write(target: Path, state_dict: dict[str, Any], use_safetensors: bool) -> None:
-    from . import _checkpoint_files as files
+    from . import files
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")

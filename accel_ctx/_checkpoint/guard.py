@@ -36,9 +36,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import _state
-from ._warn import warn_user
-from .errors import CheckpointError, ConfigurationError, DistributedError
+from .. import _state
+from .._warn import warn_user
+from ..errors import CheckpointError, ConfigurationError, DistributedError
 
 ARRIVAL_ENV = "ACCEL_CTX_ARRIVAL_TIMEOUT"
 MAX_ARRIVAL_WAIT = 60.0

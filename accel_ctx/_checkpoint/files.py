@@ -10,7 +10,7 @@ Layout of ``save_state(root, ...)``::
         manifest.json              written last: every file above with its size and CRC-32
       .tmp-ckpt-000008-step1300/   a save in progress, or one that never finished: ignored
       .trash-ckpt-000004-step600/  a rotated-out checkpoint being deleted: ignored
-      .save.lock                   while a save runs: who is saving (see _checkpoint_guard)
+      .save.lock                   while a save runs: who is saving (see guard)
 
 A checkpoint is written into ``.tmp-…``; once every rank has finished (a barrier), rank 0
 writes the manifest, flushes everything to disk and renames the folder to its final name in
@@ -19,10 +19,10 @@ deleted, so a crash at any moment leaves only complete checkpoints under a ``ckp
 save that fails (a full disk) deletes its ``.tmp-…`` folder before raising.
 
 Loading checks a checkpoint before reading anything from it: the manifest's own checksum, every
-file listed with its size, no file more, and every file's CRC-32 (``_checkpoint_find``, with the
-checksums of ``_checkpoint_sums``). A checkpoint failing any check is skipped, with a warning
+file listed with its size, no file more, and every file's CRC-32 (``find``, with the
+checksums of ``sums``). A checkpoint failing any check is skipped, with a warning
 naming the file, for the one before it. Rank 0 holds ``.save.lock`` for the time of a save
-(``_checkpoint_guard``).
+(``guard``).
 
 Reading executes nothing from the checkpoint: tensors and plain data load with
 ``torch.load(weights_only=True)``, and DCP's ``.metadata`` pickle (which DCP itself reads with
@@ -52,8 +52,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from ._checkpoint_sums import Crc32Writer, Sums, file_crc32, hex32, manifest_crc32
-from .errors import CheckpointError
+from ..errors import CheckpointError
+from .sums import Crc32Writer, Sums, file_crc32, hex32, manifest_crc32
 
 FORMAT = 2  # 1: sizes only, without checksums (still read, unverified)
 MANIFEST = "manifest.json"

@@ -1,7 +1,7 @@
 """Content checksums of checkpoint files: computed while they are written, verified before a load.
 
 Every byte a save writes passes through a :class:`Crc32Writer` (DCP's shards and metadata
-through :class:`ChecksumWriter`, our own files through ``_checkpoint_files.write_synced``), so
+through :class:`ChecksumWriter`, our own files through ``files.write_synced``), so
 the CRC-32 of each file comes from data already in memory: no file is read back. Each rank
 reports the sums of the files it wrote; rank 0 puts them in the manifest. A load verifies the
 newest checkpoint before anything is loaded from it: every rank reads a share of its files (the

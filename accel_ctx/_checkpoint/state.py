@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from . import _data, _state
-from ._session import Session
+from .. import _data, _state
+from .._session import Session
 
 
 # ---- counters ------------------------------------------------------------------------------------

@@ -1,0 +1,159 @@
+"""``save_state``: every rank writes its part into a temporary folder, rank 0 publishes it.
+
+Models, optimizers and other objects with ``state_dict`` go through
+``torch.distributed.checkpoint`` (see ``dcp``), so W ranks' checkpoint loads on W' ranks. What
+accel_ctx owns (counters, loss scale, accumulation, RNG states, loader positions) is kept beside
+(``state``, ``rng``); the folder layout and the atomic publish protocol are described in
+``files``, the checksums in ``sums``, and the arrival check, the folder lock and full-disk
+errors in ``guard``. The way back is ``load``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .. import _state
+from .._blame import collective
+from .._precision import PrecisionRuntime
+from ..errors import ConfigurationError
+from . import rng
+from . import state as owned
+
+# torch.distributed.checkpoint costs most of a second to import: it is imported at the first
+# save or load, never by ``import accel_ctx``.
+
+@collective
+def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
+               **objects: Any) -> Path:
+    """Save a checkpoint of the training state, atomically; call it on every rank.
+
+    Saves the ``objects`` (models, optimizers, schedulers, anything with
+    ``state_dict``/``load_state_dict``, DataLoaders) and what accel_ctx owns: step counters,
+    the fp16 loss scale, accumulation counters, every rank's RNG states and each DataLoader's
+    position in its epoch (loaders passed here by their name, the others this scope iterated
+    by the order of their first iteration). Saved inside an accumulation group, each rank's
+    partial gradients are kept too. Written into a temporary folder renamed into place only
+    once every rank has finished; the newest ``keep_last`` checkpoints are kept (None: all).
+    The size and CRC-32 of every file, computed as it is written, go into its manifest for
+    :func:`load_state` to verify. Returns the checkpoint's folder,
+    ``directory/ckpt-<seq>-step<step>``.
+
+    Every rank must call it: called on some ranks only, it raises ``DistributedError`` naming
+    the ranks that never came, after ``min(60 s, distributed(timeout=...))`` or
+    ``ACCEL_CTX_ARRIVAL_TIMEOUT`` seconds. Raises ``CheckpointError`` when the disk is full
+    (nothing of that save is left; the previous checkpoints are intact) and when another save
+    into ``directory`` is in progress (naming its process and host; a lock left by a process
+    that died is taken over).
+
+    Example:
+        >>> import tempfile, torch
+        >>> from accel_ctx import save_state
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> save_state(tempfile.mkdtemp(), model=model, optimizer=opt).name
+        'ckpt-000001-step0'
+    """
+    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
+                                  or keep_last < 1):
+        raise ConfigurationError(
+            f"save_state(keep_last={keep_last!r}): give how many checkpoints to keep (>= 1), "
+            "or None to keep them all."
+        )
+    from . import dcp as objs
+    from . import files, guard
+
+    stateful, named_loaders = objs.split(objects, "save_state")
+    guard.arrive("save_state()")
+    root = Path(directory)
+    stack = _state.current()
+    precision = stack.find(PrecisionRuntime) if stack is not None else None
+    if precision is not None:
+        precision.flush()  # the pending scale update would otherwise wait for the next backward
+    rank, world = objs.rank_world()
+    step = stack.session.step if stack is not None else 0
+    loaders = owned.loaders_to_save(stack, named_loaders)
+    tmp: Path | None = None
+    lock = guard.FolderLock(root)
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            files.make_root(root)
+            lock.acquire()
+            tmp = files.begin(root, step)
+        except Exception as exc:  # reported to every rank by agree(), not left to hang
+            error = guard.explain(exc, root)
+    try:
+        gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
+        objs.agree(error, "create the checkpoint folder")
+        tmp = Path(gathered[0][0])
+        final = _write(tmp, root, (rank, world, step), keep_last, stateful, loaders, gathered,
+                       sorted(objects), stack)
+    except BaseException:
+        if rank == 0:
+            files.discard(tmp)  # every rank has stopped writing: agree() or DCP said so
+        raise
+    finally:
+        lock.release()
+    return final
+
+
+def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | None,
+           stateful: dict[str, Any], loaders: list[tuple[str | None, Any]],
+           gathered: list[Any], names: list[str], stack: _state.Stack | None) -> Path:
+    """Every rank writes its part into ``tmp``; rank 0 publishes it. ``where``: rank, world
+    size and step."""
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+    from . import dcp as objs
+    from . import files, guard
+    from .sums import ChecksumWriter
+
+    rank, world, step = where
+    counters = owned.capture_counters(stack, stateful)
+    writer = ChecksumWriter(tmp)
+    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
+        state_dict, forms = objs.collect(stateful)
+        dcp_save(state_dict, storage_writer=writer, no_dist=not objs.collective())
+    written = writer.written(tmp)
+    positions = [owned.position(loader, name, [g[1][i] for g in gathered])
+                 for i, (name, loader) in enumerate(loaders)]
+    epoch = owned.next_epoch(positions[0]) if positions else 0
+    info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
+    error: BaseException | None = None
+    mine = files.rank_file(rank)
+    try:
+        written[mine] = files.save_torch(tmp / mine, {
+            "rng": rng.capture(),
+            "generators": [owned.generator_state(loader) for _, loader in loaders],
+            "grads": _partial_grads(counters, stateful),
+        })
+        if rank == 0:
+            plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
+            written[files.SHARED] = files.save_torch(tmp / files.SHARED, {
+                "counters": counters, "loaders": positions, "world_size": world,
+                "optimizers": forms, "plain": plain, "info": info,
+                "optimizer_params": objs.optimizer_params(stateful),
+            })
+    except Exception as exc:
+        error = guard.explain(exc, root, str(tmp))
+    everyone = objs.agree(error, "write its part of the checkpoint", written)
+    final = tmp.with_name(tmp.name.removeprefix(files.TMP))
+    if rank == 0:
+        try:
+            sums = {name: sum_ for part in everyone for name, sum_ in part.items()}
+            final = files.publish(tmp, info, keep_last, sums)
+        except Exception as exc:  # reported to every rank by agree(), not left to hang
+            error = guard.explain(exc, root, str(tmp))
+    objs.agree(error, "publish the checkpoint")
+    return final
+
+
+def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[str, Any]:
+    if owned.mid_group(counters) is None:
+        return {}
+    return {n: {k: p.grad.detach().cpu() for k, p in m.named_parameters() if p.grad is not None}
+            for n, m in stateful.items() if isinstance(m, nn.Module)}
