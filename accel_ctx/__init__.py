@@ -40,7 +40,7 @@ from ._state import State, state
 if TYPE_CHECKING:
     from ._checkpoint import Resumed, load_state, save_state
     from ._checkpoint_model import save_model
-    from ._launch import launch
+    from ._launch.fn import launch
 
 __all__ = [
     "DistributedOptions",
@@ -92,7 +92,7 @@ del _name
 
 # The checkpoint and launcher wings load on first use, so `import accel_ctx` stays cheap.
 _LAZY = {"Resumed": "_checkpoint", "save_state": "_checkpoint", "load_state": "_checkpoint",
-         "save_model": "_checkpoint_model", "launch": "_launch"}
+         "save_model": "_checkpoint_model", "launch": "_launch.fn"}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import _config
+from ._launch import config as _config
 from .errors import AccelCtxError
 
 USAGE = """\
@@ -89,8 +89,8 @@ def torchrun_arity() -> dict[str, bool]:
 
 def launch_main(argv: Sequence[str]) -> int:
     """Run ``accel-ctx launch``."""
-    from . import _launch_args
-    from ._netif import route_to
+    from ._launch import args as _launch_args
+    from ._launch.netif import route_to
 
     try:
         arity = torchrun_arity()
@@ -246,11 +246,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C while torch was still loading
             return interrupted(signal.SIGINT)
     if command == "config":
-        from ._config_cmd import config_main
+        from ._launch.config_cmd import config_main
 
         return config_main(rest)
     if command == "env":
-        from ._envinfo import env_main
+        from ._launch.envinfo import env_main
 
         return env_main(rest)
     if command in ("--version", "-V"):

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import _config, _env, _netif
-from .errors import ConfigurationError
+from .. import _env
+from ..errors import ConfigurationError
+from . import config as _config
+from . import netif as _netif
 
 # Our flags -> setting. The '_' spellings follow torchrun's habit; both work.
 OURS = {
@@ -143,7 +145,7 @@ def plan(
 ) -> LaunchPlan:
     """Translate ``accel-ctx launch`` arguments into torchrun arguments and environment.
 
-    ``route`` (the launcher passes :func:`accel_ctx._netif.route_to`) finds how this machine
+    ``route`` (the launcher passes :func:`accel_ctx._launch.netif.route_to`) finds how this machine
     reaches ``--master``; without it nothing is looked up and no interface is chosen.
     """
     parsed = parse(argv, arity)

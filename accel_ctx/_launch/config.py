@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
 
 PROJECT_FILE = "accel-ctx.toml"
 

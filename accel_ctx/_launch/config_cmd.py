@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import _config
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from . import config as _config
 
 _DEFAULTS: dict[str, Any] = {"nproc": "auto", "nnodes": 1, "node_rank": 0,
                              "mixed_precision": "no", "max_restarts": 0}

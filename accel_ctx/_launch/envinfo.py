@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import _config, _env
-from .errors import AccelCtxError
+from .. import _env
+from ..errors import AccelCtxError
+from . import config as _config
 
 _SHOWN_VARIABLES = (
     "ACCEL_CTX_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -23,7 +24,7 @@ def report() -> str:
     import torch
     import torch.distributed as dist
 
-    from . import __version__
+    from .. import __version__
 
     lines = [
         f"accel_ctx: {__version__}",
