@@ -10,7 +10,7 @@ Precedence, highest first (each key on its own):
 4. then the user file ``$XDG_CONFIG_HOME/accel-ctx/config.toml`` (``~/.config/...``);
 5. built-in defaults: ``nproc = "auto"`` (all local GPUs, else 1), one node.
 
-A file holds flat keys, e.g.::
+A file holds flat keys, the settings of :mod:`.settings`, each checked there, e.g.::
 
     nproc = 4
     mixed_precision = "bf16"
