@@ -39,7 +39,7 @@ from ._status import State, state
 
 if TYPE_CHECKING:
     from ._checkpoint import Resumed, load_state, save_model, save_state
-    from ._launch import launch
+    from ._launch.fn import launch
 
 __all__ = [
     "DistributedOptions",
@@ -91,7 +91,7 @@ del _name
 
 # The checkpoint and launcher wings load on first use, so `import accel_ctx` stays cheap.
 _LAZY = {"Resumed": "_checkpoint", "save_state": "_checkpoint", "load_state": "_checkpoint",
-         "save_model": "_checkpoint", "launch": "_launch"}
+         "save_model": "_checkpoint", "launch": "_launch.fn"}
 
 
 def __getattr__(name: str) -> Any:

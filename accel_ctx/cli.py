@@ -21,7 +21,6 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import _config
 from .errors import AccelCtxError
 
 USAGE = """\
@@ -33,48 +32,6 @@ usage: accel-ctx {launch,config,env} ...
 
 `accel-ctx COMMAND --help` tells more.
 """
-
-LAUNCH_HELP = """\
-usage: accel-ctx launch [-n N|auto] [--nnodes N] [--node-rank R] [--master HOST:PORT]
-                        [--mixed-precision no|bf16|fp16] [--max-restarts K] [--config FILE]
-                        [torchrun flags] script.py [script args...]
-
-Runs script.py on every process through torchrun (torch.distributed.run); distributed() in the
-script finds the job from the variables torchrun sets.
-
-  -n, --nproc N        processes PER NODE (torchrun's --nproc-per-node): with --nnodes 2,
-                       -n 4 starts 8 processes in all. 'auto' (the default): one per local
-                       GPU, else 1. At most max(64, 4 x CPU cores) unless
-                       ACCEL_CTX_MAX_NPROC says otherwise.
-  --nnodes N           machines in the job (MIN:MAX for an elastic job). Run the same command
-                       on each machine, with its own --node-rank.
-  --node-rank R        this machine's index; node 0 hosts the rendezvous and must be the
-                       --master host. Ranks are then numbered by torch's c10d rendezvous.
-  --master HOST:PORT   where the machines meet (c10d rendezvous on node 0). Without it a
-                       single machine meets on 127.0.0.1, on a free port. Node 0 advertises
-                       this address to the others; each other node advertises its address on
-                       the path to it, and the workers' gloo / NCCL use that path's interface
-                       (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless set).
-  --mixed-precision P  default policy of mixed_precision() / distributed() in the script
-                       (sets ACCEL_CTX_MIXED_PRECISION): no, bf16 or fp16. A policy the
-                       script names itself wins; rank 0 then warns once, naming both.
-  --max-restarts K     restart all workers up to K times after one fails; with 0 (the
-                       default) a failed rank ends the job and is named.
-  --config FILE        read defaults from FILE only.
-
-Any other option before the script is torchrun's and passes through unchanged (--rdzv-conf,
---log-dir, --redirects, --monitor-interval, ...; see `torchrun --help`). torchrun's own
-rendezvous flags (--rdzv-endpoint, --standalone, --master-addr, ...) replace --master.
-
-The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
-killed by signal N); Ctrl-C stops every worker and exits with 130.
-
-Defaults, highest priority first: these flags; with --config FILE that file alone; else
-./accel-ctx.toml (searched upwards to the project root), then ~/.config/accel-ctx/config.toml
-($XDG_CONFIG_HOME). Under srun with one task per node, --nnodes, --node-rank and --master
-come from SLURM. Write the files with `accel-ctx config`.
-"""
-
 
 def torchrun_arity() -> dict[str, bool]:
     """torchrun's options and whether each takes a value, read from its own parser."""
@@ -89,17 +46,19 @@ def torchrun_arity() -> dict[str, bool]:
 
 def launch_main(argv: Sequence[str]) -> int:
     """Run ``accel-ctx launch``."""
-    from . import _launch_args
-    from ._netif import route_to
+    from ._launch import args as _launch_args
+    from ._launch.config import fail
+    from ._launch.help import launch_help
+    from ._launch.netif import route_to
 
     try:
         arity = torchrun_arity()
         if _launch_args.parse(argv, arity).help or not argv:
-            print(LAUNCH_HELP, end="")
+            print(launch_help(), end="")
             return 0
         plan = _launch_args.plan(argv, arity, os.environ, route=route_to)
     except AccelCtxError as exc:
-        return _config.fail("launch", exc)
+        return fail("launch", exc)
     if plan.network.warning:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
     os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
@@ -246,13 +205,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:  # Ctrl-C while torch was still loading
             return interrupted(signal.SIGINT)
     if command == "config":
-        from ._config_cmd import config_main
+        from ._launch.config_cmd import config_main
 
         return config_main(rest)
     if command == "env":
-        from ._envinfo import env_main
+        from . import __version__
+        from ._launch.envinfo import env_main
 
-        return env_main(rest)
+        return env_main(rest, __version__)
     if command in ("--version", "-V"):
         from . import __version__
 

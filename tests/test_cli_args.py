@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from accel_ctx import _config
-from accel_ctx._launch_args import plan
+from accel_ctx._launch import config as _config
+from accel_ctx._launch.args import plan
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 

@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 from accel_ctx import _precision, cli, launch, mixed_precision
-from accel_ctx._config_cmd import config_main
-from accel_ctx._launch_args import plan
+from accel_ctx._launch.args import plan
+from accel_ctx._launch.config_cmd import config_main
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 
@@ -172,7 +172,7 @@ def test_an_explicit_policy_wins_and_a_conflict_with_the_launcher_warns_once(mon
 # --- 20: what a node advertises, and which interface its workers use ---
 
 def test_node_zero_advertises_the_master_and_others_their_address_towards_it():
-    from accel_ctx._netif import Route
+    from accel_ctx._launch.netif import Route
 
     def route(host, port):
         assert (host, port) == ("10.0.0.5", 29400)
@@ -198,7 +198,7 @@ def test_node_zero_advertises_the_master_and_others_their_address_towards_it():
 
 
 def test_a_master_that_resolves_to_loopback_on_node_zero_is_said_at_once():
-    from accel_ctx._netif import Route
+    from accel_ctx._launch.netif import Route
 
     p = make(["--nnodes", "2", "--node-rank", "0", "--master", "node0:29400", "t.py"],
              route=lambda h, port: Route("127.0.1.1", "lo"))
@@ -211,7 +211,7 @@ def test_a_master_that_resolves_to_loopback_on_node_zero_is_said_at_once():
 
 
 def test_the_route_to_loopback_is_found_on_this_machine():
-    from accel_ctx import _netif
+    from accel_ctx._launch import netif as _netif
 
     found = _netif.route_to("127.0.0.1", 29500)
     assert found is not None and found.address == "127.0.0.1" and found.is_loopback

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from accel_ctx import _config
-from accel_ctx._config_cmd import config_main
+from accel_ctx._launch import config as _config
+from accel_ctx._launch.config_cmd import config_main
 from accel_ctx.cli import main
 
 ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
@@ -52,7 +52,7 @@ def test_flags_round_trip_through_the_file_show_and_launch(home, capsys):
     assert main(["config", "--config", str(other), "--nnodes", "2", "--master", "n0:29500",
                  "--node-rank", "1"]) == 0
     assert _config.read_file(other) == {"nnodes": 2, "master": "n0:29500", "node_rank": 1}
-    from accel_ctx._launch_args import plan
+    from accel_ctx._launch.args import plan
     from accel_ctx.cli import torchrun_arity
 
     launched = plan(["--config", str(other), "t.py"], torchrun_arity(), os.environ)

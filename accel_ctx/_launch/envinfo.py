@@ -8,8 +8,9 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import _config, _env
-from .errors import AccelCtxError
+from .. import _env
+from ..errors import AccelCtxError
+from . import config as _config
 
 _SHOWN_VARIABLES = (
     "ACCEL_CTX_", "MASTER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
@@ -18,15 +19,16 @@ _SHOWN_VARIABLES = (
 )
 
 
-def report() -> str:
-    """The report as text: one ``name: value`` line each, ready to paste."""
+def report(version: str) -> str:
+    """The report as text: one ``name: value`` line each, ready to paste.
+
+    ``version`` is accel_ctx's (the caller reads it: this wing never imports the package root).
+    """
     import torch
     import torch.distributed as dist
 
-    from . import __version__
-
     lines = [
-        f"accel_ctx: {__version__}",
+        f"accel_ctx: {version}",
         f"python: {sys.version.split()[0]} ({platform.platform()})",
         f"torch: {torch.__version__}",
         f"CUDA (torch built with): {torch.version.cuda or 'none'}",
@@ -73,8 +75,8 @@ def report() -> str:
     return "\n".join(lines) + "\n"
 
 
-def env_main(argv: Sequence[str]) -> int:
-    """Run ``accel-ctx env``."""
+def env_main(argv: Sequence[str], version: str) -> int:
+    """Run ``accel-ctx env``; ``version`` is accel_ctx's."""
     if argv and argv[0] in ("-h", "--help"):
         print("usage: accel-ctx env\n\nPrints accel_ctx, torch, CUDA and NCCL versions, the "
               "devices, the launch environment and the launcher config in force.")
@@ -82,5 +84,5 @@ def env_main(argv: Sequence[str]) -> int:
     if argv:
         print(f"accel-ctx env: takes no arguments (got {' '.join(argv)}).", file=sys.stderr)
         return 2
-    print(report(), end="")
+    print(report(version), end="")
     return 0

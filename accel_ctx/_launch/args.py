@@ -6,30 +6,34 @@ every rule here is tested without processes. :mod:`accel_ctx.cli` runs the resul
 
 from __future__ import annotations
 
-import os
-import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from . import _config, _env, _netif
-from .errors import ConfigurationError
+from .. import _env
+from ..errors import ConfigurationError
+from . import config as _config
+from . import netif as _netif
+from .nproc import check_process_count, check_torchrun_nproc, local_gpus
+from .settings import CONFIG_FLAG, SETTINGS, Value, check, setting, split_host_port
 
-# Our flags -> setting. The '_' spellings follow torchrun's habit; both work.
-OURS = {
-    "-n": "nproc", "--nproc": "nproc",
-    "--nnodes": "nnodes",
-    "--node-rank": "node_rank", "--node_rank": "node_rank",
-    "--master": "master",
-    "--mixed-precision": "mixed_precision", "--mixed_precision": "mixed_precision",
-    "--max-restarts": "max_restarts", "--max_restarts": "max_restarts",
-    "--config": "config",
-}
+
+def _our_flags() -> dict[str, str]:
+    """Our flags -> setting key. Each '--a-b' is also '--a_b', after torchrun's habit."""
+    flags = {CONFIG_FLAG: "config"}
+    for s in SETTINGS:
+        for flag in s.flags:
+            flags[flag] = s.key
+            if flag.startswith("--"):
+                flags["--" + flag[2:].replace("-", "_")] = s.key
+    return flags
+
+
+OURS = _our_flags()
+_SHORT = tuple(f for f in OURS if not f.startswith("--"))  # -n4 means -n 4, as in argparse
+_EXAMPLES = {f: "my.toml" if k == "config" else setting(k).example for f, k in OURS.items()}
 _TORCHRUN_NPROC = ("--nproc-per-node", "--nproc_per_node")
-_TORCHRUN_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
-MAX_NPROC_VAR = "ACCEL_CTX_MAX_NPROC"
 # torchrun flags that choose the rendezvous themselves: given any, we add no rendezvous flag.
 _OWN_RENDEZVOUS = (
     "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint", "--standalone",
@@ -48,7 +52,7 @@ class LaunchPlan:
     """torchrun's command line: flags, then the script and its arguments."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables to set before torchrun starts the workers (they inherit them)."""
-    settings: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Value] = field(default_factory=dict)
     """The resolved settings (nproc as a number)."""
     sources: dict[str, str] = field(default_factory=dict)
     """Where each setting came from: 'flag', a config file, 'SLURM' or 'default'."""
@@ -91,8 +95,8 @@ def parse(argv: Sequence[str], arity: Mapping[str, bool]) -> _Parsed:
             i += 1
             continue
         name, eq, inline = token.partition("=")
-        if name.startswith("-n") and not name.startswith("--") and len(name) > 2:
-            name, eq, inline = "-n", "=", name[2:]  # -n4, as argparse allows
+        if name[:2] in _SHORT and len(name) > 2:
+            name, eq, inline = name[:2], "=", name[2:]
         if name in OURS:
             if eq:
                 value = inline
@@ -123,16 +127,6 @@ def _value(args: list[str], i: int, name: str) -> str:
     return args[i + 1]
 
 
-_EXAMPLES = {"-n": "4", "--nproc": "4", "--master": "node0:29500", "--mixed-precision": "bf16"}
-
-
-def local_gpus() -> int:
-    """CUDA devices on this machine (0 without CUDA); cheap: it does not initialise CUDA."""
-    import torch
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
 def plan(
     argv: Sequence[str],
     arity: Mapping[str, bool],
@@ -143,7 +137,7 @@ def plan(
 ) -> LaunchPlan:
     """Translate ``accel-ctx launch`` arguments into torchrun arguments and environment.
 
-    ``route`` (the launcher passes :func:`accel_ctx._netif.route_to`) finds how this machine
+    ``route`` (the launcher passes :func:`accel_ctx._launch.netif.route_to`) finds how this machine
     reaches ``--master``; without it nothing is looked up and no interface is chosen.
     """
     parsed = parse(argv, arity)
@@ -160,11 +154,10 @@ def plan(
             "-n/--nproc and torchrun's --nproc-per-node say the same thing; keep one of them."
         )
     if parsed.given(*_TORCHRUN_NPROC):
-        _check_torchrun_nproc(parsed.value(*_TORCHRUN_NPROC) or "", environ)
+        check_torchrun_nproc(parsed.value(*_TORCHRUN_NPROC) or "", environ)
     else:
-        nproc = settings.get("nproc", "auto")
-        if nproc == "auto":
-            nproc = gpus() or 1
+        wanted = settings.get("nproc", "auto")
+        nproc = (gpus() or 1) if wanted == "auto" else int(wanted)
         where = sources.get("nproc", "flag")
         check_process_count(nproc, f"-n {nproc}" if where == "flag" else
                             f"nproc = {nproc} (in {where})", environ)
@@ -178,78 +171,37 @@ def plan(
     if "max_restarts" in settings:
         args += ["--max-restarts", str(settings["max_restarts"])]
     if "mixed_precision" in settings:
-        env[_env.MIXED_PRECISION_VAR] = settings["mixed_precision"]
+        env[_env.MIXED_PRECISION_VAR] = str(settings["mixed_precision"])
     for _, tokens in parsed.passthrough:
         args += tokens
     return LaunchPlan([*args, *parsed.script], env, settings, sources, network)
 
 
-def process_limit(environ: Mapping[str, str]) -> int:
-    """The most processes one machine may start: ``ACCEL_CTX_MAX_NPROC``, else
-    max(64, 4 x CPU cores). A sane job runs one per GPU or a few per core; far more than
-    this only thrashes the machine or waits for minutes on a rendezvous that cannot form."""
-    raw = environ.get(MAX_NPROC_VAR, "").strip()
-    if raw:
-        if not raw.isdigit() or int(raw) < 1:
-            raise ConfigurationError(
-                f"{MAX_NPROC_VAR}={raw!r}: give the most processes per machine, a number "
-                "(1 or more), or unset it."
-            )
-        return int(raw)
-    return max(64, 4 * (os.cpu_count() or 1))
-
-
-def check_process_count(count: int, what: str, environ: Mapping[str, str]) -> None:
-    """Refuse a number of local processes no machine runs (``-n 1000000``), before starting any."""
-    limit = process_limit(environ)
-    if count > limit:
-        why = (f"the limit set by {MAX_NPROC_VAR}" if environ.get(MAX_NPROC_VAR, "").strip()
-               else f"max(64, 4 x {os.cpu_count() or 1} CPU cores)")
-        raise ConfigurationError(
-            f"{what} asks for {count} processes on this machine, more than it can run "
-            f"(at most {limit}: {why}). Give fewer: usually one per GPU, or a few per CPU "
-            f"core; with several machines, -n counts per machine and --nnodes counts machines. "
-            f"If you really mean {count}, set {MAX_NPROC_VAR}={count}."
-        )
-
-
-def _check_torchrun_nproc(value: str, environ: Mapping[str, str]) -> None:
-    if value in _TORCHRUN_NPROC_WORDS:
-        return  # torchrun counts the devices or cores itself
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ConfigurationError(
-            f"--nproc-per-node {value!r} is not valid: give a number of processes per node "
-            f"(1 or more) or one of {', '.join(_TORCHRUN_NPROC_WORDS)}."
-        )
-    check_process_count(int(value), f"--nproc-per-node {value}", environ)
-
-
 def _resolve(
     parsed: _Parsed, environ: Mapping[str, str], cwd: Path | None
-) -> tuple[dict[str, Any], dict[str, str]]:
+) -> tuple[dict[str, Value], dict[str, str]]:
     """flags > SLURM (launcher run by srun, one per node) > config files; each key alone."""
     config = _config.load(parsed.ours.get("config"), cwd=cwd, environ=environ)
     settings = dict(config.values)
     sources = dict(config.sources)
     for key, value in _env.slurm_nodes(environ).items():
-        settings[key], sources[key] = value, "SLURM"
+        settings[key], sources[key] = check(key, value, f"SLURM's {key}"), "SLURM"
     for key, raw in parsed.ours.items():
         if key != "config":
-            flag = next(f for f, k in OURS.items() if k == key and f.startswith("--"))
-            settings[key], sources[key] = _config.check(key, raw, flag), "flag"
+            settings[key], sources[key] = check(key, raw, setting(key).flag), "flag"
     return settings, sources
 
 
 def _rendezvous(
     parsed: _Parsed,
-    settings: dict[str, Any],
+    settings: Mapping[str, Value],
     sources: Mapping[str, str],
     max_nodes: int,
     env: dict[str, str],
     environ: Mapping[str, str],
     route: Callable[[str, int], _netif.Route | None] | None,
 ) -> tuple[list[str], _netif.NodeNetwork]:
-    node_rank = settings.get("node_rank")
+    node_rank = int(settings["node_rank"]) if "node_rank" in settings else None
     if node_rank is not None and node_rank >= max_nodes:
         raise ConfigurationError(
             f"--node-rank {node_rank} with {max_nodes} node(s): node ranks run from 0 to "
@@ -266,9 +218,9 @@ def _rendezvous(
     args: list[str] = []
     network = _netif.NodeNetwork()
     conf = parsed.value(*_RDZV_CONF) or ""
-    master = settings.get("master")
+    master = str(settings["master"]) if "master" in settings else None
     if master is not None:
-        host, port = _config.split_host_port(master) or ("", 0)
+        host, port = split_host_port(master) or ("", 0)
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", master]
         if not parsed.given(*_RDZV_ID):
             job = environ.get("SLURM_JOB_ID")
@@ -298,7 +250,7 @@ def _rendezvous(
         args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
                  "--rdzv-id", uuid.uuid4().hex]
         network.local_addr = "127.0.0.1"
-        ifname = loopback_interface()
+        ifname = _netif.loopback_interface()
         if ifname and "GLOO_SOCKET_IFNAME" not in environ:
             env["GLOO_SOCKET_IFNAME"] = ifname  # gloo's connections on loopback too
     if network.local_addr and not parsed.given(*_LOCAL_ADDR):
@@ -309,11 +261,3 @@ def _rendezvous(
         args += ["--rdzv-conf", conf]
     return args, network
 
-
-def loopback_interface() -> str | None:
-    """The name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
-    try:
-        names = {name for _, name in socket.if_nameindex()}
-    except (OSError, AttributeError):
-        return None
-    return next((n for n in ("lo", "lo0") if n in names), None)

@@ -23,8 +23,9 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, TypeVar
 
-from . import _env
-from .errors import ConfigurationError, DistributedError
+from .. import _env
+from ..errors import ConfigurationError, DistributedError
+from .nproc import check_process_count, local_gpus
 
 R = TypeVar("R")
 _GRACE_S = 3.0  # how long stopped children get to exit on SIGTERM before SIGKILL
@@ -111,15 +112,11 @@ def launch(
 
 def _count(nprocs: int | str) -> int:
     if nprocs == "auto":
-        from ._launch_args import local_gpus
-
         return local_gpus() or 1
     if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
         raise ConfigurationError(
             f"launch(nprocs={nprocs!r}): give a number of processes (1 or more) or 'auto'."
         )
-    from ._launch_args import check_process_count
-
     check_process_count(nprocs, f"launch(nprocs={nprocs})", os.environ)
     return nprocs
 

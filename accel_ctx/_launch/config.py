@@ -10,7 +10,7 @@ Precedence, highest first (each key on its own):
 4. then the user file ``$XDG_CONFIG_HOME/accel-ctx/config.toml`` (``~/.config/...``);
 5. built-in defaults: ``nproc = "auto"`` (all local GPUs, else 1), one node.
 
-A file holds flat keys, e.g.::
+A file holds flat keys, the settings of :mod:`.settings`, each checked there, e.g.::
 
     nproc = 4
     mixed_precision = "bf16"
@@ -22,40 +22,30 @@ of strings and integers need no TOML library), through a temporary file and an a
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
-import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from .settings import KEYS, Value, check
 
 PROJECT_FILE = "accel-ctx.toml"
-
-# key -> what it means (used in errors, in `accel-ctx config` questions and in --show).
-KEYS: dict[str, str] = {
-    "nproc": "processes per node: a number, or 'auto' (all local GPUs, else 1)",
-    "nnodes": "machines in the job (or MIN:MAX for an elastic job)",
-    "node_rank": "this machine's index; node 0 hosts the rendezvous at `master`",
-    "master": "HOST:PORT where the nodes meet (node 0's address), for several machines",
-    "mixed_precision": "default of mixed_precision() / distributed(): 'no', 'bf16' or 'fp16'",
-    "max_restarts": "times all workers restart after one fails (0: the job ends)",
-}
-_POLICIES = {"no": "no", "fp32": "no", "none": "no", "bf16": "bf16", "bfloat16": "bf16",
-             "fp16": "fp16", "float16": "fp16", "half": "fp16"}
 
 
 @dataclass
 class Config:
     """Settings read from the config files, and the file each one came from."""
 
-    values: dict[str, Any] = field(default_factory=dict)
+    values: dict[str, Value] = field(default_factory=dict)
+    """Each setting found, in canonical form."""
     sources: dict[str, str] = field(default_factory=dict)
+    """The file each setting came from."""
     files: list[Path] = field(default_factory=list)
+    """The files read, lowest priority first."""
 
 
 def user_file(environ: Mapping[str, str] | None = None) -> Path:
@@ -103,8 +93,8 @@ def load(
     return config
 
 
-def read_file(path: Path) -> dict[str, Any]:
-    """Parse and check one config file."""
+def read_file(path: Path) -> dict[str, Value]:
+    """Parse and check one config file (every key and value, by :func:`.settings.check`)."""
     toml = _toml_reader()
     try:
         with path.open("rb") as f:
@@ -131,90 +121,31 @@ def _toml_reader() -> Any:
     )
 
 
-def check(key: str, value: Any, where: str) -> Any:
-    """Validate one setting (from a file or a flag) and return it in canonical form."""
-    if key not in KEYS:
-        close = difflib.get_close_matches(key, KEYS, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigurationError(
-            f"{where}: unknown setting {key!r}.{hint} Known settings: {', '.join(KEYS)}."
-        )
-    if isinstance(value, str):
-        value = value.strip()
-    given = value  # the value as the user wrote it: errors quote it, never a half-parsed one
-    problem = ""
-    if key == "nproc":
-        if value == "auto":
-            return value
-        number = _as_int(value)
-        if number is None or number < 1:
-            problem = "give a number of processes per node (1 or more) or 'auto'"
-        value = number
-    elif key == "nnodes":
-        match = re.fullmatch(r"(\d+)(?::(\d+))?", str(value)) if not isinstance(value, bool) else None
-        low, high = (int(match.group(1)), int(match.group(2) or match.group(1))) if match else (0, 0)
-        if low < 1 or high < low:
-            problem = "give a number of machines (1 or more), or MIN:MAX with 1 <= MIN <= MAX"
-        else:
-            value = low if low == high and match and match.group(2) is None else f"{low}:{high}"
-    elif key in ("node_rank", "max_restarts"):
-        number = _as_int(value)
-        if number is None or number < 0:
-            problem = "give a whole number, 0 or more"
-        value = number
-    elif key == "master":
-        if not isinstance(value, str) or split_host_port(value) is None:
-            problem = "give HOST:PORT, e.g. node0.cluster:29500 or [fe80::1]:29500"
-    elif key == "mixed_precision":
-        name = _POLICIES.get(str(value).lower()) if isinstance(value, str) else None
-        if name is None:
-            problem = "give 'no', 'bf16' or 'fp16'"
-        value = name
-    if problem:
-        raise ConfigurationError(f"{where}: {given!r} is not valid ({KEYS[key]}); {problem}.")
-    return value
-
-
-def _as_int(value: Any) -> int | None:
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and re.fullmatch(r"\d+", value):
-        return int(value)
-    return None
-
-
-def split_host_port(text: str) -> tuple[str, int] | None:
-    """``"host:29500"`` -> ``("host", 29500)``; IPv6 in brackets; None if malformed.
+def to_toml(values: Mapping[str, Value]) -> str:
+    """Flat keys of strings and integers as TOML, in the order of the settings table.
 
     Example:
-        >>> split_host_port("[::1]:29500"), split_host_port("node0:80"), split_host_port("x")
-        (('::1', 29500), ('node0', 80), None)
+        >>> from accel_ctx._launch.config import to_toml
+        >>> print(to_toml({"mixed_precision": "bf16", "nproc": 4}), end="")
+        # accel-ctx launcher defaults; see `accel-ctx config --help`.
+        <BLANKLINE>
+        nproc = 4
+        mixed_precision = "bf16"
     """
-    match = re.fullmatch(r"\[([0-9A-Fa-f:.]+)\]:(\d+)|([^\s:\[\]]+):(\d+)", text.strip())
-    if match is None:
-        return None
-    host = match.group(1) or match.group(3)
-    port = int(match.group(2) or match.group(4))
-    return (host, port) if 0 < port < 65536 else None
-
-
-def to_toml(values: Mapping[str, Any]) -> str:
-    """Flat keys of strings and integers as TOML, in the order of :data:`KEYS`."""
     lines = ["# accel-ctx launcher defaults; see `accel-ctx config --help`.", ""]
     lines += [f"{key} = {toml_value(values[key])}" for key in KEYS if key in values]
     return "\n".join(lines) + "\n"
 
 
-def toml_value(value: Any) -> str:
+def toml_value(value: Value) -> str:
+    """One value as TOML."""
     # A JSON string literal is a valid TOML basic string (same escapes, \uXXXX included).
     if isinstance(value, bool):
         return "true" if value else "false"
     return str(value) if isinstance(value, int) else json.dumps(str(value))
 
 
-def write(path: Path, values: Mapping[str, Any]) -> None:
+def write(path: Path, values: Mapping[str, Value]) -> None:
     """Write ``values`` to ``path`` atomically: a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,7 +1,7 @@
 """``accel-ctx config``: write launcher defaults to a TOML file, by questions or by flags.
 
-With a terminal and no settings on the command line it asks one question per setting, the
-file's current values (else the defaults) in brackets; otherwise it sets the keys given as
+With a terminal and no settings on the command line it asks one question per setting (in the
+order of the settings table), the file's current values (else the defaults) in brackets; otherwise it sets the keys given as
 flags and keeps the others. ``--show`` prints the settings in force and their files.
 """
 
@@ -11,24 +11,14 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from . import _config
-from .errors import ConfigurationError
-
-_DEFAULTS: dict[str, Any] = {"nproc": "auto", "nnodes": 1, "node_rank": 0,
-                             "mixed_precision": "no", "max_restarts": 0}
-_QUESTIONS = {
-    "nproc": "Processes per machine (a number, or 'auto' = all local GPUs, else 1)",
-    "nnodes": "Machines in the job",
-    "master": "Address where the machines meet: HOST:PORT of machine 0",
-    "node_rank": "This machine's index (0 = the machine at that address)",
-    "mixed_precision": "Mixed precision: no, bf16 or fp16",
-    "max_restarts": "Restarts of all workers after one fails",
-}
+from ..errors import ConfigurationError
+from . import config as _config
+from .settings import SETTINGS, Setting, Value, check
 
 
 def parser() -> argparse.ArgumentParser:
+    """The parser of ``accel-ctx config``: where to write, then one flag per setting."""
     p = argparse.ArgumentParser(
         prog="accel-ctx config",
         description="Write launcher defaults to a TOML file. With a terminal and no settings "
@@ -42,14 +32,8 @@ def parser() -> argparse.ArgumentParser:
     where.add_argument("--project", action="store_true",
                        help=f"the project file ./{_config.PROJECT_FILE}")
     p.add_argument("--show", action="store_true", help="print the settings in force and exit")
-    p.add_argument("-n", "--nproc", metavar="N", help=_config.KEYS["nproc"])
-    p.add_argument("--nnodes", metavar="N", help=_config.KEYS["nnodes"])
-    p.add_argument("--node-rank", dest="node_rank", metavar="R", help=_config.KEYS["node_rank"])
-    p.add_argument("--master", metavar="HOST:PORT", help=_config.KEYS["master"])
-    p.add_argument("--mixed-precision", dest="mixed_precision", metavar="P",
-                   help=_config.KEYS["mixed_precision"])
-    p.add_argument("--max-restarts", dest="max_restarts", metavar="K",
-                   help=_config.KEYS["max_restarts"])
+    for s in SETTINGS:
+        p.add_argument(*s.flags, dest=s.key, metavar=s.metavar, help=s.meaning)
     return p
 
 
@@ -61,11 +45,11 @@ def config_main(argv: Sequence[str], ask: Callable[[str], str] | None = None) ->
             print(_config.show(_config.load(options.config)), end="")
             return 0
         target = _target(options)
-        given = {k: getattr(options, k) for k in _config.KEYS if getattr(options, k) is not None}
         current = _config.read_file(target) if target.is_file() else {}
+        given = {s.key: check(s.key, getattr(options, s.key), s.flag)
+                 for s in SETTINGS if getattr(options, s.key) is not None}
         if given:
-            values = {**current, **{k: _config.check(k, v, f"--{k.replace('_', '-')}")
-                                    for k, v in given.items()}}
+            values = {**current, **given}
         elif ask is not None or sys.stdin.isatty():
             answered = _interview(current, ask or input)
             if answered is None:
@@ -94,43 +78,43 @@ def _target(options: argparse.Namespace) -> Path:
     return _config.user_file()
 
 
-def _check_nodes(values: dict[str, Any]) -> None:
+def _check_nodes(values: dict[str, Value]) -> None:
     max_nodes = int(str(values.get("nnodes", 1)).rsplit(":", 1)[-1])
-    if values.get("node_rank", 0) >= max_nodes:
+    if int(values.get("node_rank", 0)) >= max_nodes:
         raise ConfigurationError(
             f"node_rank {values['node_rank']} with {max_nodes} machine(s): give a node rank "
             f"from 0 to {max_nodes - 1}."
         )
 
 
-def _interview(current: dict[str, Any], ask: Callable[[str], str]) -> dict[str, Any] | None:
+def _interview(current: dict[str, Value], ask: Callable[[str], str]) -> dict[str, Value] | None:
     """One question per setting; an invalid answer is explained and asked again at once."""
-    values: dict[str, Any] = {}
+    values: dict[str, Value] = {}
     try:
-        for key in ("nproc", "nnodes", "master", "node_rank", "mixed_precision",
-                    "max_restarts"):
-            if key in ("master", "node_rank") and str(values["nnodes"]) == "1":
+        for s in SETTINGS:
+            if s.several_nodes_only and str(values.get("nnodes", 1)) == "1":
                 continue  # one machine: nothing to meet at
-            default = current.get(key, _DEFAULTS.get(key))
-            values[key] = _ask_one(key, default, ask, values)
+            values[s.key] = _ask_one(s, current.get(s.key, s.default), ask, values)
     except (EOFError, KeyboardInterrupt):
         print()
         return None
     return values
 
 
-def _ask_one(key: str, default: Any, ask: Callable[[str], str], before: dict[str, Any]) -> Any:
+def _ask_one(
+    s: Setting, default: Value | None, ask: Callable[[str], str], before: dict[str, Value]
+) -> Value:
     """Ask until the answer (or the default, on Enter) is valid with the answers ``before``."""
     shown = f" [{default}]" if default is not None else ""
     while True:
-        answer = ask(f"{_QUESTIONS[key]}{shown}: ").strip()
+        answer = ask(f"{s.question}{shown}: ").strip()
         if not answer and default is None:
-            print(f"  please answer: {_config.KEYS[key]}")
+            print(f"  please answer: {s.meaning}")
             continue
         try:
-            value = _config.check(key, answer or default, "answer" if answer else "default")
-            if key == "node_rank":
-                _check_nodes({**before, key: value})
+            value = check(s.key, answer or default, "answer" if answer else "default")
+            if s.key == "node_rank":
+                _check_nodes({**before, s.key: value})
             return value
         except ConfigurationError as exc:
             print(f"  {exc}")

@@ -117,6 +117,15 @@ def _ip_addr(wanted: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | Non
     return None
 
 
+def loopback_interface() -> str | None:
+    """The name of the loopback network interface ('lo' on Linux, 'lo0' on macOS), if any."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except (OSError, AttributeError):
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
 def is_loopback_host(host: str) -> bool:
     """'localhost', '::1' and 127.x.y.z: the host itself, without a lookup."""
     return host in ("localhost", "::1") or host.startswith("127.")
