@@ -9,7 +9,6 @@ it. A second test kills the saver at each file-system step of the save protocol 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import random
 import signal
@@ -22,6 +21,7 @@ import pytest
 
 from accel_ctx._checkpoint import files
 
+from ._spawn import context as spawn_context
 from .workers import checkpoint_kill
 
 TRIALS = 20
@@ -29,10 +29,9 @@ TRIALS = 20
 
 @pytest.fixture(scope="module")
 def forkserver() -> Any:
-    ctx = mp.get_context("forkserver")
-    # torch optimizers import torch._dynamo when built: preloaded, a saver starts in ~50 ms
-    ctx.set_forkserver_preload(["torch._dynamo", "numpy.random", "tests.workers.checkpoint_kill"])
-    return ctx
+    # the spawn harness's server (torch, torch._dynamo that optimizers import, numpy.random
+    # preloaded): one server per session whichever test starts it, so a saver starts at once
+    return spawn_context()
 
 
 def _start(ctx: Any, root: Path, progress: Path, kill_at: int | None = None) -> Any:
