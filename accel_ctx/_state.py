@@ -3,9 +3,11 @@
 A single ``ContextVar`` holds an immutable :class:`Stack` of frames. Entering a scope pushes a
 new stack and keeps the token; leaving resets with that token. A stack counts only in the
 thread and process that built it: a forked DataLoader worker or a thread that inherited the
-context sees "no scope". Per-object bookkeeping lives in weak dictionaries here, and the few
-process-wide things (the rendezvous store cache, the precision policies visible to helper
-threads) too. The patch registry in ``_patches`` is the only other process-wide state.
+context sees "no scope". The stack resolves the innermost runtime of each concern slot and, per
+hook, the runtimes that implement it; it knows concerns only through the ``_concern`` protocol.
+Per-object bookkeeping lives in weak dictionaries here, and the few process-wide things (the
+rendezvous store cache, the precision runtimes visible to helper threads) too. The patch registry
+in ``_patches`` is the only other process-wide state.
 """
 
 from __future__ import annotations
