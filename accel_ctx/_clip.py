@@ -50,7 +50,7 @@ def _deferred(stack: _state.Stack) -> bool:
 
 
 def _loss_scale(stack: _state.Stack) -> float:
-    for concern in stack.concerns():
+    for concern in stack.concerns:
         scale = concern.loss_scale()
         if scale is not None:
             return scale

@@ -183,6 +183,6 @@ class Hooks:
     defers_clipping: tuple[Callable[[], bool], ...]
     grads_for_clipping: tuple[Callable[[Session, list[torch.Tensor]], Grads | None], ...]
 
-    def __init__(self, concerns: list[Concern]) -> None:
+    def __init__(self, concerns: tuple[Concern, ...]) -> None:
         for hook in Concern.HOOKS:
             setattr(self, hook, tuple(getattr(c, hook) for c in concerns if c.overrides(hook)))

@@ -32,17 +32,15 @@ import contextlib
 import inspect
 from collections.abc import Callable, Coroutine, Iterator
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import Any, TypeVar, cast, overload
 
 import wrapt
 from typing_extensions import ParamSpec
 
 from . import _barrier, _blame, _debug, _state
+from ._job import SINGLE, Job
 from ._warn import warn_user
 from .errors import ConfigurationError
-
-if TYPE_CHECKING:
-    from ._job import Job
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,9 +48,9 @@ R = TypeVar("R")
 
 def _position() -> tuple[Job | None, int, int, int, int]:
     """(job, rank, world size, local rank, local world size), as state() would say."""
-    where = _state.coordinates()
-    return (_state.current_job(), where.rank, where.world_size, where.local_rank,
-            where.local_world_size)
+    job = _state.current_job()
+    where = job.coordinates if job is not None else SINGLE
+    return job, where.rank, where.world_size, where.local_rank, where.local_world_size
 
 
 def _announce(where: str, exc: BaseException) -> None:

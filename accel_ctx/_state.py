@@ -73,6 +73,8 @@ class Stack:
     thread: int
     slots: dict[str, Concern]
     """The innermost runtime of each slot (a default only where no explicit one is open)."""
+    concerns: tuple[Concern, ...]
+    """The same runtimes, in order."""
     hooks: Hooks
     """Per hook, the open runtimes that implement it, in order."""
     job: Job | None = None
@@ -89,10 +91,6 @@ class Stack:
         """The runtime of ``kind``'s slot, if one of that kind is open."""
         found = self.slots.get(kind.slot)
         return found if isinstance(found, kind) else None
-
-    def concerns(self) -> list[Concern]:
-        """The open runtimes, one per slot, in order."""
-        return sorted(self.slots.values(), key=lambda c: c.order)
 
 
 _STACK: ContextVar[Stack | None] = ContextVar("accel_ctx_stack", default=None)
@@ -127,7 +125,8 @@ def current_job() -> Job | None:
     return stack.job if stack is not None else None
 
 
-def _resolve(frames: tuple[Frame, ...]) -> tuple[dict[str, Concern], Hooks, Job | None]:
+def _resolve(frames: tuple[Frame, ...]
+             ) -> tuple[dict[str, Concern], tuple[Concern, ...], Hooks, Job | None]:
     slots: dict[str, Concern] = {}
     job: Job | None = None
     runtimes = [r for frame in frames for r in frame.runtimes]
@@ -139,8 +138,8 @@ def _resolve(frames: tuple[Frame, ...]) -> tuple[dict[str, Concern], Hooks, Job 
             slots[runtime.slot] = runtime
         if runtime.job is not None:
             job = runtime.job
-    ordered = sorted(slots.values(), key=lambda c: c.order)
-    return slots, Hooks(ordered), job
+    ordered = tuple(sorted(slots.values(), key=lambda c: c.order))
+    return slots, ordered, Hooks(ordered), job
 
 
 def push(frame: Frame) -> tuple[Stack, Token[Stack | None]]:
@@ -149,8 +148,8 @@ def push(frame: Frame) -> tuple[Stack, Token[Stack | None]]:
     below = current()
     frames = (*below.frames, frame) if below is not None else (frame,)
     session = below.session if below is not None else Session()
-    slots, hooks, job = _resolve(frames)
-    here = (frames, session, _pid, _get_ident(), slots, hooks, job)
+    slots, ordered, hooks, job = _resolve(frames)
+    here = (frames, session, _pid, _get_ident(), slots, ordered, hooks, job)
     # A scope opened inside a forward (or a decorated helper it calls) stays inside it: its
     # module calls are not top-level calls.
     stack = Stack(*here, in_forward=below is not None and below.in_forward)

@@ -34,7 +34,7 @@ def capture_counters(stack: _state.Stack | None, named: dict[str, Any]) -> dict[
                        if _weak(o) and o in session.schedulers},
     }
     # each open concern's own state (accumulation counters, the fp16 loss scale, ...)
-    out["concerns"] = {c.slot: state for c in stack.concerns() if (state := c.state_dict())}
+    out["concerns"] = {c.slot: state for c in stack.concerns if (state := c.state_dict())}
     return out
 
 
@@ -61,7 +61,7 @@ def apply_counters(stack: _state.Stack | None, saved: dict[str, Any], named: dic
         if name in named and _weak(named[name]):
             session.schedulers[named[name]] = tuple(seen)
     concerns = saved.get("concerns", {})
-    for concern in stack.concerns():
+    for concern in stack.concerns:
         if concern.slot in concerns:
             concern.load_state_dict(concerns[concern.slot])
 
