@@ -35,6 +35,7 @@ from ._process import (
     on_process,
     wait_for_everyone,
 )
+from ._sharded import sharded
 from ._status import State, state
 
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ __all__ = [
     "reduce",
     "save_model",
     "save_state",
+    "sharded",
     "split_between_processes",
     "state",
     "wait_for_everyone",
@@ -80,7 +82,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_precision",
-              "PrecisionPolicy", "autocast_forward", "accumulate", "no_sync",
+              "PrecisionPolicy", "autocast_forward", "accumulate", "no_sync", "sharded",
               "clip_grad_norm_", "clip_grad_value_",
               "on_main_process", "on_local_main_process", "on_process", "on_last_process",
               "main_process_first", "wait_for_everyone", "main_print", "gather", "gather_object",

@@ -42,8 +42,8 @@ class _PausesEngines(Concern):
         if engine is None or not call.grad:
             return
         call.sync = self._vote(call, session) and call.sync is not False
-        if engine is call.module:  # the user's own DDP: set back when this scope closes
-            self._engines.add(engine)
+        if isinstance(engine, nn.parallel.DistributedDataParallel) and engine is call.module:
+            self._engines.add(engine)  # the user's own DDP: set back when this scope closes
 
     def close(self) -> None:
         for engine in list(self._engines):

@@ -21,14 +21,16 @@ from ._job import Job
 from ._tree import to_device
 
 
-def adopt(job: Job, module: nn.Module) -> _state.ModuleRecord:
-    """Adopt ``module`` (and its parts) into the job; returns its root record."""
+def adopt(job: Job, module: nn.Module, move: bool = True) -> _state.ModuleRecord:
+    """Adopt ``module`` (and its parts) into the job; returns its root record. ``move=False``
+    leaves placing it to the engine (the sharded one moves it block by block)."""
     root_job = job.root
     for sub in module.modules():
         record = _state.module_record(sub)
         if sub is not module and record is not None and record.root and record.owner is root_job:
             release(job, sub)  # a part was called first; the whole model takes over
-    _move(job, module)
+    if move:
+        _move(job, module)
     root = _state.ModuleRecord(root_job, True)
     for sub in module.modules():
         _state.set_module_record(
@@ -55,18 +57,19 @@ def _move(job: Job, module: nn.Module) -> None:
 
 
 def adopt_optimizer(job: Job, optimizer: torch.optim.Optimizer) -> None:
-    """Point an optimizer at moved parameters and move its state along with them."""
+    """Point an optimizer at moved or sharded parameters; its state follows them."""
     replaced = job.adoption.replaced
     for group in optimizer.param_groups:
         for i, old in enumerate(group["params"]):
             entry = replaced.get(id(old))
             if entry is None or entry[0]() is not old:
                 continue
-            new = entry[1]
+            old_param, new = entry[0](), entry[1]
+            assert old_param is not None  # checked just above
             group["params"][i] = new
             state: dict[Any, Any] = optimizer.state
             if old in state:
-                state[new] = state.pop(old)
+                state[new] = _like(state.pop(old), old_param, new)
     if job.device.type == "cpu":
         return
     for param, state in optimizer.state.items():
@@ -75,6 +78,20 @@ def adopt_optimizer(job: Job, optimizer: torch.optim.Optimizer) -> None:
             moves = isinstance(value, torch.Tensor) and value.dim() > 0
             if moves and value.device != param.device:
                 state[key] = value.to(param.device)
+
+
+def _like(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
+    """An optimizer state of ``old`` laid out as ``new``: sharded alike when ``new`` is a
+    shard (each rank keeps its part of what every rank holds in full; no communication)."""
+    mesh = getattr(new, "device_mesh", None)
+    if mesh is None:
+        return state
+    from torch.distributed.tensor import distribute_tensor
+
+    placements = new.placements  # type: ignore[attr-defined]
+    return {key: distribute_tensor(value.to(new.device), mesh, placements, src_data_rank=None)
+            if isinstance(value, torch.Tensor) and value.shape == old.shape and value.dim() > 0
+            else value for key, value in state.items()}
 
 
 def inputs_to_device(job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]

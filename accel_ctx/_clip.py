@@ -63,9 +63,9 @@ def _total_norm(
 ) -> torch.Tensor:
     norms = []
     if plain:
-        norms.append(get_total_norm(plain, norm_type, False, foreach))
+        norms.append(_whole(get_total_norm(plain, norm_type, False, foreach)))
     if scaled:
-        norms.append(get_total_norm(scaled, norm_type, False, foreach) / scale)
+        norms.append(_whole(get_total_norm(scaled, norm_type, False, foreach)) / scale)
     if not norms:
         return torch.tensor(0.0)
     if len(norms) == 1:
@@ -73,6 +73,13 @@ def _total_norm(
     stacked = torch.stack([n.to(norms[0].device) for n in norms])
     total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total
+
+
+def _whole(norm: torch.Tensor) -> torch.Tensor:
+    """The norm over every rank's shard when the gradients are sharded (a DTensor norm holds
+    partial sums until reduced); a plain tensor as it is."""
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm
 
 
 def clip_grad_norm_(

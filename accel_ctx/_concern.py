@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,13 @@ from torch import nn
 if TYPE_CHECKING:
     from ._job import Job
     from ._session import OptimizerRecord, Session
+
+
+class Engine(Protocol):
+    """A data-parallel engine as the concerns see it: DDP, or the FSDP2 engine of sharded()."""
+
+    require_backward_grad_sync: bool
+    """Whether the next backward synchronises the gradients across ranks."""
 
 
 class ForwardCall:
@@ -42,7 +49,7 @@ class ForwardCall:
         self.grad = grad  # gradients are recorded
         # the data-parallel engine whose backward synchronises gradients (the user's own DDP
         # is one too), and whether it will: None leaves its flag as it is
-        self.engine: nn.parallel.DistributedDataParallel | None = (
+        self.engine: Engine | None = (
             module if isinstance(module, nn.parallel.DistributedDataParallel) else None)
         self.sync: bool | None = None
         self.device_type: str | None = None  # the job's device type, if a job placed it
@@ -151,6 +158,10 @@ class Concern:
     # ---- the rest --------------------------------------------------------------------------------
     def loss_scale(self) -> float | None:
         """The current loss scale, if this concern scales the loss."""
+        return None
+
+    def compute_dtype(self) -> torch.dtype | None:
+        """The dtype an engine should compute in (a sharded model's parameter dtype), if any."""
         return None
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,8 +13,8 @@ from contextlib import ExitStack
 import torch
 from typing_extensions import Unpack
 
-from . import _adopt, _blame, _replicate, _state
-from ._concern import Concern, ForwardCall, Params
+from . import _adopt, _blame, _fsdp, _replicate, _state
+from ._concern import Concern, Engine, ForwardCall, Params
 from ._dist_options import DEFAULT_TIMEOUT, DistributedOptions, Options, check_nested, parse_options
 from ._group import start_job
 from ._job import Job
@@ -24,7 +24,8 @@ from ._scope import Scope
 from ._session import Session
 
 # Re-exported: the options live with their checks in _dist_options.
-__all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distributed"]
+__all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distributed",
+           "open_runtime"]
 
 
 class distributed(Scope):
@@ -63,15 +64,23 @@ class distributed(Scope):
         self.options = parse_options(options)
 
     def _open(self, exits: ExitStack) -> DistributedRuntime | tuple[Concern, ...]:
-        below = _state.current()
-        if below is not None and below.job is not None:
-            outer = below.job
-            check_nested(outer.device, outer.backend, outer.root.options, self.options)
-            return DistributedRuntime(outer.nested(self.options))
-        job = start_job(self.options, exits)
-        runtime = DistributedRuntime(job)
-        default = precision_from_env(job.device, exits)
-        return (runtime, default) if default is not None else runtime
+        return open_runtime(self.options, exits, None)
+
+
+def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.ShardingPlan | None
+                 ) -> DistributedRuntime | tuple[Concern, ...]:
+    """The runtime of a ``distributed()`` (or ``sharded()``: ``plan``) entry: the job of the
+    scope below, or a new one. A sharding plan below stays in force unless ``plan`` replaces it."""
+    below = _state.current()
+    outer_runtime = below.find(DistributedRuntime) if below is not None else None
+    if outer_runtime is not None:
+        outer = outer_runtime.job
+        check_nested(outer.device, outer.backend, outer.root.options, options)
+        return DistributedRuntime(outer.nested(options), plan or outer_runtime.plan)
+    job = start_job(options, exits)
+    runtime = DistributedRuntime(job, plan)
+    default = precision_from_env(job.device, exits)
+    return (runtime, default) if default is not None else runtime
 
 
 class DistributedRuntime(Concern):
@@ -80,8 +89,9 @@ class DistributedRuntime(Concern):
     slot, order = "distributed", 0
     job: Job
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, plan: _fsdp.ShardingPlan | None = None) -> None:
         self.job = job
+        self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
 
     # ---- a top-level module call ---------------------------------------------------------------
     def before_forward(self, call: ForwardCall, session: Session) -> None:
@@ -89,10 +99,17 @@ class DistributedRuntime(Concern):
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1
         progress.phase = FORWARD
+        engine: Engine | None
         try:
-            call.target, engine = _replicate.prepare(job, call.module, call.grad)
+            if self.plan is None:
+                call.target, engine = _replicate.prepare(job, call.module, call.grad)
+            else:
+                call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
+                                                    session)
         except Exception as exc:
-            _blame.reraise(job, exc, "forward (setting up DDP)")  # DDP's weight broadcast
+            # the engine's setup broadcasts rank 0's weights
+            _blame.reraise(job, exc, "forward (setting up DDP)" if self.plan is None
+                           else "forward (sharding the model)")
             raise
         call.engine = engine
         if engine is not None and call.grad:

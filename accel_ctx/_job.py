@@ -26,6 +26,7 @@ from torch import nn
 from . import _env
 from ._dist_options import DistributedOptions
 from ._progress import Heartbeat, Progress
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -109,6 +110,7 @@ class Job:
         self.adoption: Adoption = root.adoption if root is not None else Adoption()
         self.heartbeat: Heartbeat | None = None
         self._mesh: DeviceMesh | None = None
+        self._hybrid_meshes: dict[int, DeviceMesh] = {}
 
     def comm_device(self, device: torch.device) -> torch.device:
         """Where a tensor on ``device`` must be for the backend: NCCL cannot move CPU tensors."""
@@ -130,3 +132,24 @@ class Job:
             size = (self.coordinates.dp_size,)
             root._mesh = init_device_mesh(self.device.type, size, mesh_dim_names=("dp",))
         return root._mesh
+
+    def sharding_mesh(self, shard_size: int | None) -> DeviceMesh:
+        """The mesh a sharded model lives on: ``("dp",)`` when one copy is sharded over every
+        data-parallel rank, else ``("replicate", "shard")``: copies of ``shard_size`` ranks each
+        (HSDP), built on first use."""
+        size = self.coordinates.dp_size
+        if shard_size is None or shard_size == size:
+            return self.mesh
+        if shard_size < 1 or size % shard_size:
+            raise ConfigurationError(
+                f"sharded(shard_size={shard_size}): the {size} data-parallel ranks cannot be "
+                f"split into groups of {shard_size}; give a divisor of {size}.")
+        root = self.root
+        mesh = root._hybrid_meshes.get(shard_size)
+        if mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.device.type, (size // shard_size, shard_size),
+                                    mesh_dim_names=("replicate", "shard"))
+            root._hybrid_meshes[shard_size] = mesh
+        return mesh

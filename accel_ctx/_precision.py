@@ -168,6 +168,9 @@ class PrecisionRuntime(Concern):
     def loss_scale(self) -> float | None:
         return self.scaling.current_scale() if self.scaling is not None else None
 
+    def compute_dtype(self) -> torch.dtype | None:
+        return self.dtype  # a sharded model's MixedPrecisionPolicy: params gathered in it
+
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaling.state_dict() if self.scaling is not None else None
         return {"policy": self.policy.name, "scaler": scaler, "skipped_steps": self.skipped_steps}

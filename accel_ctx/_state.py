@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from ._concern import Concern, Hooks
+from ._concern import Concern, Engine, Hooks
 from ._job import SINGLE, Coordinates, Job
 from ._session import Session
 from ._shard import ShardPlan
@@ -222,9 +222,9 @@ class ModuleRecord:
     def __init__(self, owner: object, root: bool) -> None:
         self.owner = owner
         self.root = root
-        # the DDP engine of a root: None until its first call with gradients, then the engine,
+        # the engine of a root (DDP, FSDP2): None until decided at its first call, then the engine,
         # or False when it needs none (nothing to train, or a single process)
-        self.engine: nn.Module | bool | None = None
+        self.engine: Engine | bool | None = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
         return {}
