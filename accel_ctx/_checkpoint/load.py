@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _state
+from .. import _adopt, _fsdp, _state
 from .._accumulate import AccumulateRuntime
 from .._blame import collective
+from .._distributed import DistributedRuntime
 from .._warn import warn_user
 from ..errors import CheckpointError
 from . import rng
@@ -129,7 +130,17 @@ def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],
 
 
 def _to_device(stack: _state.Stack | None, stateful: dict[str, Any]) -> None:
-    """Move models where distributed() will put them, so loaded optimizer states live there."""
+    """Move models where distributed() will put them, so loaded optimizer states live there;
+    under sharded(), shard them now, so that each rank reads only its own shards."""
+    runtime = stack.find(DistributedRuntime) if stack is not None else None
+    if stack is not None and runtime is not None and runtime.plan is not None:
+        for obj in stateful.values():
+            if isinstance(obj, nn.Module):
+                _fsdp.prepare(runtime.job, obj, True, runtime.plan, stack.session)
+        for obj in stateful.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                _adopt.adopt_optimizer(runtime.job, obj)
+        return
     device = stack.job.device if stack is not None and stack.job is not None else None
     if device is None or device.type == "cpu":
         return

@@ -187,12 +187,18 @@ def gan(batch: int, kind: str = "sharded") -> dict[str, Any]:
 
 
 def checkpoint_run(ckpt: str, kind: str, *, k: int, stop: int | None = None,
-                   resume: bool = True, model_file: str | None = None) -> dict[str, Any]:
-    """The resumable loop: AdamW, shuffled loader, accumulate(k); saves at ``stop``."""
+                   resume: bool = True, model_file: str | None = None,
+                   adam: bool = True) -> dict[str, Any]:
+    """The resumable loop: AdamW (or SGD with momentum), shuffled loader, accumulate(k);
+    saves at ``stop``. (Adam turns the rounding noise of gradients that are zero in exact
+    math, such as the key bias's, into full-size steps: runs that sum in another order are
+    compared with SGD.)"""
     with scope(kind, k):
         torch.manual_seed(0)
         model = GPT()
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt: torch.optim.Optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=0.01) if adam
+            else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         loader = DataLoader(tokens(), batch_size=2, shuffle=True)
         resumed = load_state(ckpt, model=model, optimizer=opt, loader=loader) if resume else None
         loaded = full_weights(model) if resumed else None
@@ -210,3 +216,37 @@ def checkpoint_run(ckpt: str, kind: str, *, k: int, stop: int | None = None,
             save_model(model, model_file)
         return {"weights": full_weights(model), "step": state().step, "loaded": loaded,
                 "resumed": (resumed.step, resumed.world_size) if resumed else None}
+
+
+def checkpoint_stops(root: str) -> dict[str, Any]:
+    """On 2 ranks: uninterrupted runs and runs stopped mid-epoch, sharded and under DDP."""
+    return {
+        "full": checkpoint_run(f"{root}/none", "sharded", k=1, resume=False,
+                               model_file=f"{root}/model.pt"),
+        "stop": checkpoint_run(f"{root}/sharded", "sharded", k=1, stop=5),
+        "sgd_full": checkpoint_run(f"{root}/none", "sharded", k=1, resume=False, adam=False),
+        "ddp_full": checkpoint_run(f"{root}/none", "ddp", k=1, resume=False, adam=False),
+        "ddp_stop": checkpoint_run(f"{root}/ddp", "ddp", k=1, stop=5, adam=False),
+        "sgd_stop": checkpoint_run(f"{root}/sgd", "sharded", k=1, stop=5, adam=False),
+        # 2 ranks x accumulate(3): 6 loader batches per step, stopped at a step boundary
+        "reshard_full": checkpoint_run(f"{root}/none", "sharded", k=3, resume=False,
+                                       adam=False),
+        "reshard_stop": checkpoint_run(f"{root}/reshard", "sharded", k=3, stop=6, adam=False),
+    }
+
+
+def checkpoint_resumes(root: str) -> dict[str, Any]:
+    """On 2 ranks, fresh processes: the sharded checkpoint resumed sharded and under DDP, and
+    the DDP checkpoint resumed sharded."""
+    torch.manual_seed(1234)  # whatever the process did before must not matter
+    return {
+        "sharded": checkpoint_run(f"{root}/sharded", "sharded", k=1),
+        "ddp_to_sharded": checkpoint_run(f"{root}/ddp", "sharded", k=1, adam=False),
+        "sharded_to_ddp": checkpoint_run(f"{root}/sgd", "ddp", k=1, adam=False),
+    }
+
+
+def checkpoint_other_world(root: str) -> dict[str, Any]:
+    """On 1 or 3 ranks: the 2-rank checkpoint, with the same 6 batches per optimizer step."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return checkpoint_run(f"{root}/reshard", "sharded", k=6 // world, adam=False)
