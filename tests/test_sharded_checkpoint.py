@@ -79,3 +79,13 @@ def test_save_model_writes_full_weights_that_plain_torch_loads(runs):
     _equal({k: v.detach() for k, v in fresh.state_dict().items()},
            stopped[0]["full"]["weights"], "save_model")
     assert fresh.wte.weight is fresh.lm_head.weight
+
+
+def test_a_checkpoint_inside_an_accumulation_group_says_the_partial_sums_are_lost(runs):
+    # FSDP2 holds a group's partial gradients unsharded inside its engine: they are not saved,
+    # and the resumed run says so and starts the group afresh instead of silently dropping them.
+    _, _, stopped, resumed = runs
+    for rank in range(2):
+        assert stopped[rank]["mid_group_stop"]["step"] == 1
+        assert any("sharded model" in m for m in resumed[rank]["warnings"])
+        assert resumed[rank]["mid_group"]["step"] > 1

@@ -173,7 +173,10 @@ def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
     if group is None or acc is None:
         return
     done, size = group
-    if mine is not None and same_world and acc.steps == size:
+    kept = mine is not None and all(  # partial sums held by FSDP2 were not saved
+        g is not None and not owned.is_sharded(stateful[n])
+        for n, g in mine["grads"].items() if isinstance(stateful.get(n), nn.Module))
+    if mine is not None and kept and same_world and acc.steps == size:
         for name, grads in mine["grads"].items():
             model = stateful.get(name)
             if isinstance(model, nn.Module):
@@ -184,7 +187,8 @@ def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
     warn_user(
         f"load_state: the checkpoint was saved after micro-batch {done} of an accumulation "
         f"group of {size}; those partial gradients belong to the ranks and accumulate({size}) "
-        "that saved it and are dropped here, so the next group starts afresh. Save after "
+        "that saved it (or were held inside a sharded model's engine, and not saved) and are "
+        "dropped here, so the next group starts afresh. Save after "
         "opt.step() at a group boundary (state().sync_gradients) to resume elsewhere exactly.")
     acc.restart_group()
 

@@ -153,7 +153,11 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
 
 
 def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[str, Any]:
+    """The gradients accumulated so far in the group, per model; None for a sharded model,
+    whose partial sums FSDP2 holds unsharded inside its engine (the resume then warns and
+    starts the group afresh instead of silently dropping them)."""
     if owned.mid_group(counters) is None:
         return {}
-    return {n: {k: p.grad.detach().cpu() for k, p in m.named_parameters() if p.grad is not None}
+    return {n: None if owned.is_sharded(m) else
+            {k: p.grad.detach().cpu() for k, p in m.named_parameters() if p.grad is not None}
             for n, m in stateful.items() if isinstance(m, nn.Module)}

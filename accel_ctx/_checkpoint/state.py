@@ -12,6 +12,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from .. import _data, _state
@@ -64,6 +65,11 @@ def apply_counters(stack: _state.Stack | None, saved: dict[str, Any], named: dic
     for concern in stack.concerns:
         if concern.slot in concerns:
             concern.load_state_dict(concerns[concern.slot])
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters are shards (sharded(): FSDP2's DTensors)."""
+    return any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
 def mid_group(saved: dict[str, Any]) -> tuple[int, int] | None:

@@ -232,14 +232,21 @@ def checkpoint_stops(root: str) -> dict[str, Any]:
         "reshard_full": checkpoint_run(f"{root}/none", "sharded", k=3, resume=False,
                                        adam=False),
         "reshard_stop": checkpoint_run(f"{root}/reshard", "sharded", k=3, stop=6, adam=False),
+        "mid_group_stop": checkpoint_run(f"{root}/mid", "sharded", k=2, stop=3, adam=False),
     }
 
 
 def checkpoint_resumes(root: str) -> dict[str, Any]:
     """On 2 ranks, fresh processes: the sharded checkpoint resumed sharded and under DDP, and
     the DDP checkpoint resumed sharded."""
+    import warnings
+
     torch.manual_seed(1234)  # whatever the process did before must not matter
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mid_group = checkpoint_run(f"{root}/mid", "sharded", k=2, adam=False)
     return {
+        "mid_group": mid_group, "warnings": [str(w.message) for w in caught],
         "sharded": checkpoint_run(f"{root}/sharded", "sharded", k=1),
         "ddp_to_sharded": checkpoint_run(f"{root}/ddp", "sharded", k=1, adam=False),
         "sharded_to_ddp": checkpoint_run(f"{root}/sgd", "ddp", k=1, adam=False),
@@ -250,3 +257,107 @@ def checkpoint_other_world(root: str) -> dict[str, Any]:
     """On 1 or 3 ranks: the 2-rank checkpoint, with the same 6 batches per optimizer step."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     return checkpoint_run(f"{root}/reshard", "sharded", k=6 // world, adam=False)
+
+
+def precision_run(kind: str, precision: str, batch: int) -> dict[str, Any]:
+    """One epoch under mixed_precision(precision); what the sharded model computes in."""
+    from accel_ctx import mixed_precision
+
+    with scope(kind, 1), mixed_precision(precision, init_scale=2.0**20, growth_interval=2):
+        torch.manual_seed(0)
+        model = GPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, dtypes = [], set()
+        hook = model.h[0].qkv.register_forward_hook(
+            lambda m, args, out: dtypes.add(str(m.weight.dtype)))
+        for x, y in DataLoader(tokens(), batch_size=batch, shuffle=True):
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        hook.remove()
+        s = state()
+        return {"weights": full_weights(model), "losses": losses, "compute": sorted(dtypes),
+                "logits": str(logits.dtype), "skipped": s.skipped_steps, "scale": s.loss_scale,
+                "master": sorted({str(p.dtype) for p in model.parameters()})}
+
+
+def options_and_misuse(batch: int) -> dict[str, Any]:
+    """sharded()'s options and the mistakes it must name, on W ranks."""
+    from accel_ctx import no_sync, on_main_process
+    from accel_ctx.errors import AccelCtxError
+
+    out: dict[str, Any] = {}
+
+    def error_of(fn: Any) -> str | None:
+        try:
+            fn()
+        except AccelCtxError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return None
+
+    # blocks given by class, by predicate, HSDP (one rank per shard group: replicate only)
+    for name, options in {"blocks_class": {"blocks": [Block]},
+                          "blocks_fn": {"blocks": lambda m: isinstance(m, nn.LayerNorm)},
+                          "hsdp": {"shard_size": 1},
+                          "keep_gathered": {"reshard_after_forward": False}}.items():
+        with distributed(timeout=60), sharded(**options):
+            torch.manual_seed(0)
+            model = GPT()
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for x, y in DataLoader(tokens(), batch_size=batch, shuffle=True):
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+            from torch.distributed.fsdp import FSDPModule
+
+            out[name] = {"weights": full_weights(model),
+                         "units": sorted(n for n, m in model.named_modules()
+                                         if isinstance(m, FSDPModule)),
+                         "mesh": list(model.wte.weight.device_mesh.shape)}
+    # no_sync(): the user's own accumulation, the reduce-scatter once per pair
+    with distributed(timeout=60), sharded():
+        torch.manual_seed(0)
+        model = GPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        batches = list(DataLoader(tokens(), batch_size=batch, shuffle=True))
+        for i, (x, y) in enumerate(batches):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten()) / 2
+            if i % 2 == 0:
+                with no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        out["no_sync"] = full_weights(model)
+        # rank-only code cannot run a sharded model: it would wait for the other ranks
+        out["rank_only"] = error_of(lambda: on_main_process(lambda: model(batches[0][0]))())
+        # a model that trains with DDP cannot be sharded in the same job afterwards
+    with distributed(timeout=60):
+        ddp_model = GPT()
+        ddp_model(batches[0][0]).sum().backward()
+        with sharded():
+            out["ddp_then_sharded"] = error_of(lambda: ddp_model(batches[0][0]))
+
+    class Raw(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.scale
+
+    with distributed(timeout=60), sharded():
+        with torch.device("meta"):
+            raw = Raw()
+        out["meta_without_reset"] = error_of(lambda: raw(torch.ones(2, 4)))
+    out["cpu_offload_on_cpu"] = None
+    with distributed(timeout=60), sharded(cpu_offload=True):
+        out["cpu_offload_on_cpu"] = error_of(lambda: GPT()(batches[0][0]))
+    out["bad_blocks"] = error_of(lambda: sharded(blocks=["Block"]))  # type: ignore[list-item]
+    out["bad_shard_size"] = error_of(lambda: sharded(shard_size=0))
+    return out
