@@ -95,6 +95,13 @@ def prepare(job: Job, module: nn.Module, grad: bool, plan: ShardingPlan, session
             "the model's first call (with distributed(), sharded(): ...).")
     if not isinstance(engine, ShardedEngine):
         return module, None
+    check_call(job, module, grad)
+    return module, engine
+
+
+def check_call(job: Job, module: nn.Module, grad: bool) -> None:
+    """Refuse a call of a sharded model that would hang: in rank-only code (its forward
+    gathers from every rank) or in an uneven last round that no Join covers."""
     if job.world_size > 1 and _state.rank_only() is not None:
         raise DistributedError(
             f"a sharded {type(module).__name__} was called in rank-only code (on_main_process "
@@ -103,7 +110,6 @@ def prepare(job: Job, module: nn.Module, grad: bool, plan: ShardingPlan, session
             "(and keep only the printing or saving rank-only).")
     if job.adoption.uneven_tail is not None and grad:
         refuse_forward(job.adoption)
-    return module, engine
 
 
 def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session

@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
-from . import _adopt, _state
+from . import _adopt, _fsdp, _state
 from ._job import Job
 from ._join import LAST_FORWARD, refuse_forward
 from ._warn import warn_user
@@ -28,7 +28,7 @@ _BUFFER_SYNC_FLAG = (
 
 
 def prepare(job: Job, module: nn.Module, grad: bool
-            ) -> tuple[nn.Module, nn.parallel.DistributedDataParallel | None]:
+            ) -> tuple[nn.Module, nn.parallel.DistributedDataParallel | _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its DDP engine (or None)."""
     record = _state.module_record(module)
     if record is None or record.owner is not job.root:
@@ -37,6 +37,9 @@ def prepare(job: Job, module: nn.Module, grad: bool
         if _adopt.managed_elsewhere(module):
             return module, None
         record = _adopt.adopt(job, module)
+    if isinstance(record.engine, _fsdp.ShardedEngine):  # sharded earlier in this job
+        _fsdp.check_call(job, module, grad)
+        return module, record.engine
     if not record.root:  # a part of an adopted model, called on its own
         if grad and job.world_size > 1:
             _check_part(job, module)

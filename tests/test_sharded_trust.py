@@ -45,6 +45,8 @@ def test_mistakes_are_named_with_their_fix(trust):
     rank_only = trust[0]["rank_only"]  # rank 1 does not run on_main_process code
     assert "rank-only code" in rank_only and "every rank" in rank_only
     assert trust[1]["rank_only"] is None
+    assert "rank-only code" in trust[0]["after_sharded_scope"]  # still sharded in the job
+    assert trust[1]["after_sharded_scope_all"] == (4, 8, 32)
     for result in trust:
         assert "ConfigurationError" in result["ddp_then_sharded"]
         assert "Open sharded() before" in result["ddp_then_sharded"]

@@ -336,6 +336,15 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
         out["no_sync"] = full_weights(model)
         # rank-only code cannot run a sharded model: it would wait for the other ranks
         out["rank_only"] = error_of(lambda: on_main_process(lambda: model(batches[0][0]))())
+    with distributed(timeout=60):
+        with sharded():
+            model = GPT()
+            model(batches[0][0]).sum().backward()
+        # the sharded() scope closed, the job goes on: the model is still sharded
+        with torch.no_grad():
+            out["after_sharded_scope"] = error_of(
+                lambda: on_main_process(lambda: model(batches[0][0]))())
+            out["after_sharded_scope_all"] = tuple(model(batches[0][0]).shape)
         # a model that trains with DDP cannot be sharded in the same job afterwards
     with distributed(timeout=60):
         ddp_model = GPT()
