@@ -30,7 +30,7 @@ def adopt(job: Job, module: nn.Module, move: bool = True) -> _state.ModuleRecord
         if sub is not module and record is not None and record.root and record.owner is root_job:
             release(job, sub)  # a part was called first; the whole model takes over
     if move:
-        _move(job, module)
+        move_to_device(job, module)
     root = _state.ModuleRecord(root_job, True)
     for sub in module.modules():
         _state.set_module_record(
@@ -39,7 +39,8 @@ def adopt(job: Job, module: nn.Module, move: bool = True) -> _state.ModuleRecord
     return root
 
 
-def _move(job: Job, module: nn.Module) -> None:
+def move_to_device(job: Job, module: nn.Module) -> None:
+    """Move ``module`` to the job's device, unless the user placed it (or it is on meta)."""
     if job.device.type == "cpu":
         return
     devices = {t.device.type for t in module.parameters()}

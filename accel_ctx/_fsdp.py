@@ -126,6 +126,8 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
         _shard(job, module, plan, meta)
     elif meta:  # one process: nothing to shard, but the model must exist
         _materialise(module, [], job.device, lambda block: None)
+    else:
+        _adopt.move_to_device(job, module)  # as distributed() would
     replaced = job.adoption.replaced
     for name, param in module.named_parameters():
         old = before.get(name)

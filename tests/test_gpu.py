@@ -85,3 +85,28 @@ def test_nccl_two_ranks_are_equivalent_and_sync_batchnorm(tmp_path):
             torch.testing.assert_close(r["mlp"][k], reference[k], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(results[0]["bn_mean"], results[1]["bn_mean"])
     assert all(r["bn_class_after"] == "BatchNorm1d" for r in results)
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["built on cpu", "built on meta"])
+def test_sharded_on_one_gpu_places_the_model_and_trains(meta):
+    # One process: nothing to shard, but the model goes to the GPU (a meta one is made there)
+    from accel_ctx import sharded
+
+    from .workers.sharded import GPT, tokens
+
+    with sharded(), mixed_precision("bf16"):
+        torch.manual_seed(0)
+        with torch.device("meta") if meta else torch.device("cpu"):
+            model = GPT()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(3):
+            for x, y in DataLoader(tokens(), batch_size=8):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        assert all(p.is_cuda for p in model.parameters())
+        assert all(p.is_cuda for s in opt.state.values() for p in s.values() if p.dim() > 0)
+        assert losses[-1] < losses[0]
