@@ -51,6 +51,12 @@ def move_to_device(job: Job, module: nn.Module) -> None:
     module.to(job.device)
     # Some devices (meta, XLA, ...) get new Parameter objects: optimizers made before the
     # move are pointed at them when accel_ctx first meets the optimizer.
+    record_replaced(job, before, module)
+
+
+def record_replaced(job: Job, before: dict[str, nn.Parameter], module: nn.Module) -> None:
+    """Note which of ``before`` (name -> parameter) ``module`` now holds as new objects, for
+    :func:`adopt_optimizer` to point optimizers at them."""
     for name, param in module.named_parameters():
         old = before.get(name)
         if old is not None and old is not param:

@@ -18,7 +18,6 @@ pointed at the new ones (``_adopt.adopt_optimizer``), its existing state sharded
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -78,14 +77,12 @@ def prepare(job: Job, module: nn.Module, grad: bool, plan: ShardingPlan, session
         if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
                 module):
             return module, None  # the user's own engine: leave it to them
-        if _state.rank_only() is not None and job.world_size > 1:
-            return module, None  # not sharded yet, and sharding is collective: wait for all
-        record = _adopt.adopt(job, module, move=False)
+        record = _adopt.adopt(job, module, move=False)  # records only: nothing moves yet
     if not record.root:
         return module, None  # a part of a sharded model: its own block hooks gather it
     if record.engine is None:
         if _state.rank_only() is not None and job.world_size > 1:
-            return module, None
+            return module, None  # not sharded yet, and sharding is collective: wait for all
         record.engine = shard(job, module, plan, session) or False
     engine = record.engine
     if isinstance(engine, nn.parallel.DistributedDataParallel):
@@ -128,11 +125,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
         _materialise(module, [], job.device, lambda block: None)
     else:
         _adopt.move_to_device(job, module)  # as distributed() would
-    replaced = job.adoption.replaced
-    for name, param in module.named_parameters():
-        old = before.get(name)
-        if old is not None and old is not param:
-            replaced[id(old)] = (weakref.ref(old), param)
+    _adopt.record_replaced(job, before, module)
     for optimizer in list(session.optimizers.keys()):
         _adopt.adopt_optimizer(job, optimizer)  # met before: point them at the new parameters
     return ShardedEngine(module) if sharding else None
