@@ -23,9 +23,11 @@ from ._accumulate import accumulate, no_sync
 from ._broadcast import broadcast, broadcast_object
 from ._clip import clip_grad_norm_, clip_grad_value_
 from ._collectives import gather, gather_object, pad_across_processes, reduce
+from ._decide import all_ranks, any_rank, synchronize_rng_states
 from ._distributed import DistributedOptions, distributed
 from ._evaluation import gather_for_metrics, split_between_processes
 from ._logging import get_logger, main_print
+from ._position import load_loader_state, loader_state, skip_first_batches
 from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
 from ._process import (
     main_process_first,
@@ -48,6 +50,8 @@ __all__ = [
     "Resumed",
     "State",
     "accumulate",
+    "all_ranks",
+    "any_rank",
     "autocast_forward",
     "broadcast",
     "broadcast_object",
@@ -60,7 +64,9 @@ __all__ = [
     "gather_object",
     "get_logger",
     "launch",
+    "load_loader_state",
     "load_state",
+    "loader_state",
     "main_print",
     "main_process_first",
     "mixed_precision",
@@ -74,8 +80,10 @@ __all__ = [
     "save_model",
     "save_state",
     "sharded",
+    "skip_first_batches",
     "split_between_processes",
     "state",
+    "synchronize_rng_states",
     "wait_for_everyone",
 ]
 
@@ -87,7 +95,9 @@ for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_prec
               "on_main_process", "on_local_main_process", "on_process", "on_last_process",
               "main_process_first", "wait_for_everyone", "main_print", "gather", "gather_object",
               "reduce", "broadcast", "broadcast_object", "pad_across_processes",
-              "gather_for_metrics", "split_between_processes", "get_logger"):
+              "gather_for_metrics", "split_between_processes", "get_logger", "any_rank",
+              "all_ranks", "synchronize_rng_states", "loader_state", "load_loader_state",
+              "skip_first_batches"):
     globals()[_name].__module__ = __name__
 del _name
 

@@ -26,6 +26,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _data_order, _state
+from ._epochs import tell_epoch
 from ._join import UnevenTail
 from ._session import LoaderIteration
 from ._shard import EMPTY as _EMPTY
@@ -94,9 +95,13 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     iterable = isinstance(loader.dataset, IterableDataset)
     skip, resume_rng = record.resume_skip, record.resume_rng
     record.resume_skip, record.resume_rng = 0, None
+    if record.skip_batches:  # skip_first_batches(): this rank's batches, W global ones each
+        skip += record.skip_batches * plan_for(loader, stack).world
+        record.skip_batches = 0
     plan = plan_for(loader, stack, skip)
     job = stack.job
     record.epoch += 1
+    tell_epoch(loader, record)
     record.yielded = 0
     record.epoch_plan = plan
     if not iterable and (
@@ -297,6 +302,8 @@ class ScopedIterator:
         else:  # unknown length: look one batch ahead to know whether this one is the last
             self._pending = next(self._it, _EMPTY)
             iteration.is_last = self._pending is _EMPTY or tail == iteration.index + 1
+        iteration.at_end = (iteration.index >= self._length - 1 if self._length is not None
+                            else self._pending is _EMPTY)
         if tail == iteration.index and self._tail is not None:
             self._tail.enter(iteration.index)
         if not self._registered:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 import torch
+from torch.utils.data import Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
@@ -146,7 +147,12 @@ def _drop_last_sample(obj: Any) -> Any:
 
 
 def split_between_processes(items: T, *, pad: bool = False) -> T:
-    """This rank's contiguous part of ``items``: a list, tuple, tensor (dim 0) or dict of them.
+    """This rank's contiguous part of ``items``: any sequence with ``len()`` and indexing.
+
+    Lists, tuples, tensors and arrays (along dim 0) and ranges come back sliced, of their own
+    type; a Hugging Face ``datasets.Dataset`` through its ``select()``; any other map-style
+    dataset as a ``torch.utils.data.Subset`` (a view: nothing is loaded); a dict splits each of
+    its values.
 
     With ``k = ceil(len(items) / world_size)``, rank ``r`` gets items ``r*k`` to ``(r+1)*k``; the
     last ranks may get fewer, or none. ``pad=True`` gives every rank exactly ``k`` items, the
@@ -181,24 +187,40 @@ def split_between_processes(items: T, *, pad: bool = False) -> T:
 
 
 def _length(value: Any, key: Any) -> int:
-    if isinstance(value, (list, tuple, torch.Tensor)) and not (
-        isinstance(value, torch.Tensor) and value.dim() == 0
-    ):
+    splittable = (
+        hasattr(value, "__len__") and hasattr(value, "__getitem__")
+        and not isinstance(value, (str, bytes, bytearray, Mapping))
+        and not (isinstance(value, torch.Tensor) and value.dim() == 0)
+    )
+    if splittable:
         return len(value)
     where = f" at key {key!r}" if key is not None else ""
     raise ConfigurationError(
-        f"split_between_processes() cannot split a {type(value).__name__}{where}; give a list, "
-        "tuple, tensor (split along dim 0) or a dict of them (convert iterators with list())."
+        f"split_between_processes() cannot split a {type(value).__name__}{where}; give a "
+        "sequence with len() and indexing (list, tuple, range, tensor or array along dim 0, a "
+        "map-style Dataset, a datasets.Dataset) or a dict of them (convert iterators with "
+        "list(); wrap a single string in a list)."
     )
 
 
 def _split(value: Any, world: int, rank: int, pad: bool) -> Any:
     n = len(value)
     k = math.ceil(n / world)
-    part = value[min(rank * k, n):min((rank + 1) * k, n)]
-    missing = k - len(part) if pad and n else 0
-    if missing == 0:
-        return part
+    start, end = min(rank * k, n), min((rank + 1) * k, n)
+    missing = k - (end - start) if pad and n else 0
     if isinstance(value, torch.Tensor):
-        return torch.cat([part, value[-1:].expand(missing, *value.shape[1:])])
-    return part + type(value)([value[-1]] * missing)
+        part = value[start:end]
+        return part if missing == 0 else torch.cat(
+            [part, value[-1:].expand(missing, *value.shape[1:])])
+    if isinstance(value, (list, tuple)):
+        seq: Any = value
+        part = seq[start:end]
+        return part if missing == 0 else part + type(value)([value[-1]] * missing)
+    indices = [*range(start, end), *([n - 1] * missing)]
+    if callable(getattr(value, "select", None)):  # a Hugging Face datasets.Dataset
+        return value.select(indices)
+    if hasattr(value, "__array__") and hasattr(value, "shape"):  # numpy and alike
+        return value[indices]
+    if isinstance(value, Sequence):  # range, a user's Sequence: a slice keeps its type
+        return value[start:end] if missing == 0 else [*value[start:end], *[value[-1]] * missing]
+    return Subset(value, indices)  # a map-style Dataset: a view, nothing loaded

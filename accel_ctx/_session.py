@@ -36,12 +36,13 @@ class UnevenRound(Protocol):
 class LoaderIteration:
     """One epoch of one DataLoader being iterated in this thread."""
 
-    __slots__ = ("index", "is_last", "is_padding", "length", "loader", "uneven")
+    __slots__ = ("at_end", "index", "is_last", "is_padding", "length", "loader", "uneven")
 
     def __init__(self, length: int | None, uneven: UnevenRound | None = None) -> None:
         self.length = length
         self.index = -1  # index of the batch handed out last
-        self.is_last = False
+        self.is_last = False  # that batch ends the epoch's accumulation groups
+        self.at_end = False  # that batch is this rank's last of the epoch
         self.is_padding = False  # that batch repeats earlier samples to even out the ranks
         self.loader: Any = None  # the DataLoader being iterated (the stock iterator drops it)
         self.uneven = uneven  # even_batches=False: the _join.UnevenTail of this epoch

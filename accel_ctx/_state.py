@@ -257,6 +257,8 @@ class LoaderRecord:
         "plan",
         "resume_rng",
         "resume_skip",
+        "skip_batches",
+        "told_epochs",
         "view",
         "yielded",
     )
@@ -271,6 +273,8 @@ class LoaderRecord:
         self.epoch_start_rng: Any = None  # RNG states just before the epoch drew its order
         self.resume_skip = 0  # global batches to skip in the next epoch (checkpoint resume)
         self.resume_rng: Any = None  # epoch-start RNG states to replay for that epoch
+        self.skip_batches = 0  # skip_first_batches(): this rank's batches to skip next epoch
+        self.told_epochs: dict[int, int] = {}  # id(sampler/dataset) -> epoch set_epoch() got
 
 
 _loader_records: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()

@@ -46,6 +46,12 @@ class State:
     """Whether the last backward closed an accumulation group (a real optimizer step follows)."""
     step: int = 0
     """Optimizer steps taken in this scope (once per accumulation group, skipped ones included)."""
+    loader: Any = None
+    """The DataLoader being iterated by the innermost loop in this scope (None between loops)."""
+    batch_index: int = -1
+    """0-based index, in this rank's share of the epoch, of the batch ``loader`` handed out last."""
+    end_of_loader: bool = False
+    """That batch is the last of ``loader``'s epoch on this rank (log, step a scheduler...)."""
 
     @property
     def is_main_process(self) -> bool:
@@ -96,6 +102,10 @@ def state() -> State:
             backend=job.backend,
             distributed=True,
         )
+    iteration = stack.session.active_loader()
+    if iteration is not None:
+        values.update(loader=iteration.loader, batch_index=iteration.index,
+                      end_of_loader=iteration.at_end)
     precision = stack.find(PrecisionRuntime)
     if precision is not None:
         values.update(mixed_precision=precision.policy.name, loss_scale=precision.loss_scale())

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _adopt, _fsdp, _state
+from .. import _adopt, _fsdp, _position, _state
 from .._accumulate import AccumulateRuntime
 from .._blame import collective
 from .._distributed import DistributedRuntime
@@ -199,7 +199,7 @@ def _resume_loaders(stack: _state.Stack | None, entries: list[dict[str, Any]],
     for entry, generator in zip(entries, generators, strict=True):
         loader = named.get(entry["name"]) if entry["name"] is not None else None
         if loader is not None:
-            owned.apply_position(loader, _state.loader_record(loader), entry, generator)
+            _position.apply_position(loader, _state.loader_record(loader), entry, generator)
         elif entry["name"] is None:
             by_order.append((entry, generator))
     if stack is not None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from .. import _state
+from .. import _position, _state
 from .._blame import collective
 from .._precision import PrecisionRuntime
 from ..errors import ConfigurationError
@@ -87,7 +87,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
         except Exception as exc:  # reported to every rank by agree(), not left to hang
             error = guard.explain(exc, root)
     try:
-        gathered = objs.gather((str(tmp), [owned.yielded(loader) for _, loader in loaders]))
+        gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders]))
         objs.agree(error, "create the checkpoint folder")
         tmp = Path(gathered[0][0])
         final = _write(tmp, root, (rank, world, step), keep_last, stateful, loaders, gathered,
@@ -119,16 +119,16 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
         state_dict, forms = objs.collect(stateful)
         dcp_save(state_dict, storage_writer=writer, no_dist=not objs.collective())
     written = writer.written(tmp)
-    positions = [owned.position(loader, name, [g[1][i] for g in gathered])
+    positions = [_position.position(loader, name, [g[1][i] for g in gathered])
                  for i, (name, loader) in enumerate(loaders)]
-    epoch = owned.next_epoch(positions[0]) if positions else 0
+    epoch = _position.next_epoch(positions[0]) if positions else 0
     info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
     error: BaseException | None = None
     mine = files.rank_file(rank)
     try:
         written[mine] = files.save_torch(tmp / mine, {
             "rng": rng.capture(),
-            "generators": [owned.generator_state(loader) for _, loader in loaders],
+            "generators": [_position.generator_state(loader) for _, loader in loaders],
             "grads": _partial_grads(counters, stateful),
         })
         if rank == 0:

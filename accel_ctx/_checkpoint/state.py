@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
-from .. import _data, _state
+from .. import _state
+from .._position import apply_position
 from .._session import Session
 
 
@@ -80,7 +81,7 @@ def mid_group(saved: dict[str, Any]) -> tuple[int, int] | None:
     return acc["micro"], acc["steps"]
 
 
-# ---- DataLoader positions ------------------------------------------------------------------------
+# ---- DataLoader positions (the rule itself is in accel_ctx._position) ------------------------------------------------------------------------
 def loaders_to_save(
     stack: _state.Stack | None, named: dict[str, DataLoader[Any]]
 ) -> list[tuple[str | None, DataLoader[Any]]]:
@@ -93,62 +94,6 @@ def loaders_to_save(
             if isinstance(loader, DataLoader) and id(loader) not in mine:
                 out.append((None, loader))
     return out
-
-
-def yielded(loader: DataLoader[Any]) -> int:
-    record = _state.peek_loader_record(loader)
-    return record.yielded if record is not None else 0
-
-
-def _global_batches(loader: DataLoader[Any]) -> int | None:
-    """Batches in one epoch over all ranks (None: a stream without ``len``)."""
-    iterable = isinstance(loader.dataset, IterableDataset)
-    return _data._length(loader, None, _data.ShardPlan(), iterable)
-
-
-def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> dict[str, Any]:
-    """Where ``loader`` stands, from every rank's count of batches handed out this epoch."""
-    record = _state.peek_loader_record(loader)
-    if record is None or record.epoch == 0:
-        return {"name": name, "epoch": 0, "consumed": 0, "finished": True, "start_rng": None}
-    plan = record.epoch_plan or _data.ShardPlan()
-    total = _global_batches(loader)
-    consumed = plan.skip + sum(yields)
-    end = plan.end(total) if total is not None else None  # drop_last: full rounds only
-    if end is not None:
-        consumed = min(consumed, end)  # even_batches pads the last round with repeats
-    return {
-        "name": name,
-        "epoch": record.epoch,
-        "consumed": consumed,
-        "finished": end is not None and consumed >= end,
-        "start_rng": record.epoch_start_rng,
-    }
-
-
-def generator_state(loader: DataLoader[Any]) -> torch.Tensor | None:
-    return loader.generator.get_state() if loader.generator is not None else None
-
-
-def next_epoch(entry: dict[str, Any]) -> int:
-    """0-based index of the epoch to run next: the one in progress, or the one after."""
-    return int(entry["epoch"]) if entry["finished"] else int(entry["epoch"]) - 1
-
-
-def apply_position(
-    loader: DataLoader[Any], record: _state.LoaderRecord, entry: dict[str, Any],
-    generator: torch.Tensor | None,
-) -> None:
-    """Make the loader's next iteration continue where the checkpoint left its epoch."""
-    if generator is not None and loader.generator is not None:
-        loader.generator.set_state(generator)
-    if entry["epoch"] == 0:
-        return
-    if entry["finished"]:
-        record.epoch, record.resume_skip, record.resume_rng = entry["epoch"], 0, None
-    else:  # the next iteration replays this epoch's start, then skips what was consumed
-        record.epoch = entry["epoch"] - 1
-        record.resume_skip, record.resume_rng = entry["consumed"], entry["start_rng"]
 
 
 class PendingLoaders:

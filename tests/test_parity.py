@@ -1,0 +1,195 @@
+"""What the peers' users reach for (issue 14), on real ranks: set_epoch, loader positions, loop
+awareness, cross-rank decisions, split_between_processes over any sequence."""
+
+from __future__ import annotations
+
+import functools
+import operator
+import random
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Subset
+
+from accel_ctx import (
+    all_ranks,
+    any_rank,
+    distributed,
+    load_loader_state,
+    loader_state,
+    skip_first_batches,
+    split_between_processes,
+    state,
+    synchronize_rng_states,
+)
+from accel_ctx.errors import ConfigurationError
+
+from ._spawn import spawn
+from .workers import parity
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
+def ranks(request, tmp_path_factory):
+    world = request.param
+    return world, spawn(parity.run_all, world, tmp_path_factory.mktemp("parity"), timeout=120)
+
+
+def _section(results, name):
+    return [r[name] for r in results]
+
+
+# ---- set_epoch ---------------------------------------------------------------------------------
+def test_a_users_distributed_sampler_is_told_each_epoch_and_not_sharded_twice(ranks):
+    _world, results = ranks
+    for part in _section(results, "set_epoch"):
+        assert part["auto"] == part["expected_auto"]
+        assert part["auto"][0] != part["auto"][1]  # reshuffled: the epoch reached the sampler
+        assert part["auto_epoch"] == 2
+    everything = sorted(i for p in _section(results, "set_epoch") for b in p["auto"][0] for i in b)
+    assert everything == list(range(24))
+
+
+def test_a_loop_that_calls_set_epoch_itself_keeps_its_epochs(ranks):
+    _, results = ranks
+    for part in _section(results, "set_epoch"):
+        assert part["manual"] == part["expected_manual"]
+
+
+def test_a_streaming_dataset_is_told_each_epoch(ranks):
+    _, results = ranks
+    for part in _section(results, "set_epoch"):
+        assert part["stream_epochs"] == [0, 1]
+
+
+# ---- loader positions --------------------------------------------------------------------------
+def test_loader_state_resumes_with_the_batches_of_a_run_that_never_stopped(ranks):
+    world, results = ranks
+    for part in _section(results, "positions"):
+        assert part["saved_consumed"] == 2 * world  # global batches: every rank's two
+        assert part["before"] == part["whole"][0][:2]
+        assert part["after"] == part["whole"][0][2:]
+        assert part["next_epoch"] == part["whole"][1]
+
+
+def test_skip_first_batches_skips_this_ranks_batches_once(ranks):
+    world, results = ranks
+    for rank, part in enumerate(_section(results, "positions")):
+        # even_batches (the default) pads the last round with the epoch's first batches
+        mine = [[2 * (i % 20), 2 * (i % 20) + 1] for i in range(rank, -(-20 // world) * world,
+                                                                 world)]
+        assert part["unskipped"] == mine
+        assert part["skipped"] == mine[3:]
+
+
+# ---- loop awareness ----------------------------------------------------------------------------
+def test_state_tells_the_batch_index_and_the_last_batch_of_the_loader(ranks):
+    world, results = ranks
+    for _rank, part in enumerate(_section(results, "awareness")):
+        # even_batches (the default) pads the last round: every rank has ceil(6 / W) batches
+        count = -(-6 // world)
+        assert part["seen"] == [(i, i == count - 1, True) for i in range(count)]
+        assert part["before"] == (None, False) and part["after"] == (None, False)
+        assert part["stream"][-1] is True and not any(part["stream"][:-1])
+
+
+# ---- decisions ---------------------------------------------------------------------------------
+def test_any_rank_and_all_ranks_give_every_rank_the_same_answer(ranks):
+    _world, results = ranks
+    for part in _section(results, "decisions"):
+        assert part["any_last"] is True and part["any_none"] is False
+        assert part["all_true"] is True and part["all_one"] is False
+        assert part["nan"] is True
+        assert part["stopped_after"] == 4  # rank 0 hit its condition first; all stopped there
+        assert "one flag per rank" in part["bad_flag"]
+
+
+def test_synchronize_rng_states_gives_every_rank_rank_zeros_draws(ranks):
+    _, results = ranks
+    draws = [p["draws"] for p in _section(results, "decisions")]
+    assert all(d == draws[0] for d in draws)
+    random.seed(0)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(100)
+    assert draws[0] == (random.random(), torch.rand(2).tolist(), torch.rand(1, generator=g).item())
+
+
+def test_split_between_processes_takes_datasets_and_ranges(ranks):
+    world, results = ranks
+    parts = _section(results, "decisions")
+    assert functools.reduce(operator.iadd, (p["squares"] for p in parts), []) == [i * i for i in range(10)]
+    assert functools.reduce(operator.iadd, (list(p["range"]) for p in parts), []) == list(range(7))
+    assert all(isinstance(p["range"], range) for p in parts)
+    k = -(-7 // world)
+    assert all(len(p["padded_range"]) == k for p in parts)
+    assert functools.reduce(operator.iadd, (list(p["tuple"]) for p in parts), []) == [1, 2, 3, 4, 5]
+
+
+# ---- one process -------------------------------------------------------------------------------
+def test_decisions_in_one_process_are_the_flag_itself():
+    assert any_rank(1) is True and all_ranks(0) is False
+    with distributed():
+        assert any_rank(torch.tensor(True)) is True and all_ranks(torch.tensor(0.0)) is False
+        synchronize_rng_states()  # nothing to do, nothing raised
+    with pytest.raises(ConfigurationError, match="unknown"):
+        synchronize_rng_states(["pyhton"])
+    with pytest.raises(ConfigurationError, match=r"torch\.Generator"):
+        synchronize_rng_states(generators=[42])  # type: ignore[list-item]
+
+
+def test_split_between_processes_refuses_what_it_cannot_index():
+    with distributed():
+        pass
+    with pytest.raises(ConfigurationError, match="wrap a single string"):
+        _split_in_two("a prompt")
+    with pytest.raises(ConfigurationError, match="convert iterators"):
+        _split_in_two(iter([1, 2]))
+
+
+def _split_in_two(items):
+    """split_between_processes as rank 0 of 2 sees it, without processes (coordinates faked by
+    torch's fake process group would need a store; the rule itself is pure)."""
+    from accel_ctx import _evaluation
+
+    _evaluation._length(items, None)
+    return _evaluation._split(items, 2, 0, False)
+
+
+def test_split_of_a_dataset_is_a_subset_view():
+    from accel_ctx import _evaluation
+
+    part = _evaluation._split(parity.Squares(), 3, 1, False)
+    assert isinstance(part, Subset) and [part[i] for i in range(len(part))] == [16, 25, 36, 49]
+    assert split_between_processes(parity.Squares()) is not None  # one process: itself
+
+
+def test_loader_positions_refuse_what_is_not_a_loader():
+    with pytest.raises(ConfigurationError, match="DataLoader"):
+        loader_state([1, 2, 3])
+    with pytest.raises(ConfigurationError, match="int >= 0"):
+        skip_first_batches(DataLoader([1, 2]), -1)
+    with pytest.raises(ConfigurationError, match="lacks"):
+        load_loader_state(DataLoader([1, 2]), {"epoch": 1})
+
+
+def test_a_stateful_loader_keeps_its_own_position():
+    class Stateful(DataLoader):  # what torchdata's StatefulDataLoader offers
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.loaded = None
+
+        def state_dict(self):
+            return {"where": 3}
+
+        def load_state_dict(self, s):
+            self.loaded = s
+
+    loader = Stateful([1, 2, 3])
+    saved = loader_state(loader)
+    assert saved == {"stateful": {"where": 3}}
+    load_loader_state(loader, saved)
+    assert loader.loaded == {"where": 3}
+
+
+def test_state_outside_a_loop_names_no_loader():
+    s = state()
+    assert s.loader is None and s.batch_index == -1 and s.end_of_loader is False

@@ -1,0 +1,179 @@
+"""Issue 14's loop helpers on real ranks: set_epoch, loader positions, loop awareness, decisions.
+
+One spawned run per world size; each section returns plain data the tests compare.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from accel_ctx import (
+    all_ranks,
+    any_rank,
+    distributed,
+    load_loader_state,
+    loader_state,
+    skip_first_batches,
+    split_between_processes,
+    state,
+    synchronize_rng_states,
+)
+
+TIMEOUT = 60.0
+
+
+class Squares(Dataset[int]):
+    """A map-style Dataset that is not a list: split_between_processes gives a Subset."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        return i * i
+
+
+class EpochStream(IterableDataset[int]):
+    """A streaming dataset that reseeds its order with set_epoch, as streaming libraries do."""
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.epochs.append(epoch)
+
+    def __iter__(self) -> Any:
+        order = torch.randperm(12, generator=torch.Generator().manual_seed(self.epoch))
+        return iter(order.tolist())
+
+
+def _ids(batches: list[torch.Tensor]) -> list[list[int]]:
+    return [b.tolist() for b in batches]
+
+
+def set_epoch() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    data = list(range(24))
+    with distributed(timeout=TIMEOUT):
+        # a user's own DistributedSampler: told each epoch, not sharded a second time
+        sampler = DistributedSampler(data, shuffle=True, seed=5)
+        loader = DataLoader(data, batch_size=3, sampler=sampler)
+        out["auto"] = [_ids(list(loader)) for _ in range(3)]
+        out["auto_epoch"] = sampler.epoch
+        # by hand, as torch's examples do: the user's value wins, from epoch 5
+        manual = DistributedSampler(data, shuffle=True, seed=5)
+        loader = DataLoader(data, batch_size=3, sampler=manual)
+        out["manual"] = []
+        for epoch in range(5, 7):
+            manual.set_epoch(epoch)
+            out["manual"].append(_ids(list(loader)))
+        stream = EpochStream()
+        stream_loader = DataLoader(stream, batch_size=4)
+        for _ in range(2):
+            list(stream_loader)
+        out["stream_epochs"] = stream.epochs
+    # what torch's DistributedSampler gives this rank when told the epoch by hand
+    expected = []
+    for epoch in range(3):
+        reference = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=5)
+        reference.set_epoch(epoch)
+        expected.append(_ids(list(DataLoader(data, batch_size=3, sampler=reference))))
+    out["expected_auto"] = expected
+    out["expected_manual"] = []
+    for epoch in range(5, 7):
+        reference = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=5)
+        reference.set_epoch(epoch)
+        out["expected_manual"].append(_ids(list(DataLoader(data, batch_size=3, sampler=reference))))
+    return out
+
+
+def positions() -> dict[str, Any]:
+    """A run that stops after 2 batches and resumes from loader_state() sees what an
+    uninterrupted run sees; skip_first_batches skips this rank's batches."""
+    out: dict[str, Any] = {}
+    data = list(range(40))
+
+    def loader() -> DataLoader[int]:
+        return DataLoader(data, batch_size=2, shuffle=True,
+                          generator=torch.Generator().manual_seed(7))
+
+    with distributed(timeout=TIMEOUT):
+        torch.manual_seed(11)
+        whole = loader()
+        out["whole"] = [_ids(list(whole)) for _ in range(2)]
+        torch.manual_seed(11)
+        first = loader()
+        it = iter(first)
+        out["before"] = _ids([next(it), next(it)])
+        saved = loader_state(first)
+        out["saved_consumed"] = saved["consumed"]
+        torch.manual_seed(999)  # a new process: other random states
+        resumed = loader()
+        load_loader_state(resumed, saved)
+        out["after"] = _ids(list(resumed))
+        out["next_epoch"] = _ids(list(resumed))
+        plain = DataLoader(data, batch_size=2)
+        out["skipped"] = _ids(list(skip_first_batches(plain, 3)))
+        out["unskipped"] = _ids(list(plain))  # once: the next epoch is whole again
+    return out
+
+
+def awareness() -> dict[str, Any]:
+    out: dict[str, Any] = {"seen": []}
+    with distributed(timeout=TIMEOUT):
+        loader = DataLoader(list(range(12)), batch_size=2)
+        out["before"] = (state().loader, state().end_of_loader)
+        for _ in loader:
+            s = state()
+            out["seen"].append((s.batch_index, s.end_of_loader, s.loader is loader))
+        out["after"] = (state().loader, state().end_of_loader)
+        stream_flags = []
+        for _ in DataLoader(EpochStream(), batch_size=4):  # no len(): found by looking ahead
+            stream_flags.append(state().end_of_loader)
+        out["stream"] = stream_flags
+    return out
+
+
+def decisions() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    with distributed(timeout=TIMEOUT):
+        out["any_last"] = any_rank(rank == world - 1)
+        out["any_none"] = any_rank(False)
+        out["all_true"] = all_ranks(torch.tensor(1.0))
+        out["all_one"] = all_ranks(rank == 0)
+        out["nan"] = any_rank(torch.isnan(torch.tensor(float("nan") if rank == 1 else 0.0)))
+        # early stopping: every rank leaves the loop at the same step
+        steps = 0
+        for step in range(100):
+            steps += 1
+            if any_rank(step == 3 + rank):
+                break
+        out["stopped_after"] = steps
+        try:
+            any_rank(torch.ones(2))
+        except ValueError as exc:
+            out["bad_flag"] = str(exc)
+        random.seed(rank)
+        torch.manual_seed(rank)
+        g = torch.Generator().manual_seed(100 + rank)
+        synchronize_rng_states(["python", "torch"], [g])
+        out["draws"] = (random.random(), torch.rand(2).tolist(), torch.rand(1, generator=g).item())
+        out["squares"] = list(split_between_processes(Squares()))
+        out["range"] = split_between_processes(range(7))
+        out["padded_range"] = split_between_processes(range(7), pad=True)
+        out["tuple"] = split_between_processes((1, 2, 3, 4, 5))
+    return out
+
+
+def run_all() -> dict[str, Any]:
+    return {"set_epoch": set_epoch(), "positions": positions(), "awareness": awareness(),
+            "decisions": decisions()}
