@@ -22,6 +22,7 @@ from ._precision import precision_from_env
 from ._progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
 from ._scope import Scope
 from ._session import Session
+from .errors import ConfigurationError
 
 # Re-exported: the options live with their checks in _dist_options.
 __all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distributed",
@@ -46,7 +47,7 @@ class distributed(Scope):
     Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
     ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
-    ``debug`` (see :class:`DistributedOptions`).
+    ``debug``, ``comm_hook`` (see :class:`DistributedOptions`).
 
     Example:
         >>> import torch
@@ -76,11 +77,28 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
     if outer_runtime is not None:
         outer = outer_runtime.job
         check_nested(outer.device, outer.backend, outer.root.options, options)
-        return DistributedRuntime(outer.nested(options), plan or outer_runtime.plan)
+        plan = plan or outer_runtime.plan
+        _check_comm_hook(plan, outer.device, options, outer.root.options)
+        return DistributedRuntime(outer.nested(options), plan)
     job = start_job(options, exits)
+    _check_comm_hook(plan, job.device, options)
     runtime = DistributedRuntime(job, plan)
     default = precision_from_env(job.device, exits)
     return (runtime, default) if default is not None else runtime
+
+
+def _check_comm_hook(plan: _fsdp.ShardingPlan | None, device: torch.device,
+                     *options: DistributedOptions) -> None:
+    if any(o.comm_hook == "bf16" for o in options) and device.type not in ("cuda", "xpu"):
+        raise ConfigurationError(
+            f"distributed(comm_hook='bf16') cannot run on {device.type}: torch's bf16 hook "
+            "needs CUDA with NCCL 2.10+ (or XPU). Use comm_hook='fp16' here, or run on GPUs.")
+    if plan is not None and any(o.comm_hook is not None for o in options):
+        raise ConfigurationError(
+            "distributed(comm_hook=...) applies to DDP's gradient all-reduce, and sharded() "
+            "trains with FSDP2, which has no comm hooks; drop comm_hook, or use distributed() "
+            "alone (for lower-precision reductions under sharded(), FSDP2 reduces in fp32 by "
+            "design of mixed_precision).")
 
 
 class DistributedRuntime(Concern):

@@ -111,7 +111,7 @@ def _ddp(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         kwargs["bucket_cap_mb"] = opts.bucket_cap_mb
     if not opts.broadcast_buffers:  # newer torch renamed the flag
         kwargs[_BUFFER_SYNC_FLAG] = False
-    return nn.parallel.DistributedDataParallel(
+    ddp = nn.parallel.DistributedDataParallel(
         module,
         device_ids=[next(iter(devices))] if single_cuda else None,
         find_unused_parameters=opts.find_unused_parameters,
@@ -119,6 +119,23 @@ def _ddp(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         static_graph=opts.static_graph,
         **kwargs,
     )
+    if opts.comm_hook is not None:
+        ddp.register_comm_hook(*_comm_hook(opts.comm_hook))
+    return ddp
+
+
+def _comm_hook(spec: str | tuple[Any, Any]) -> tuple[Any, Any]:
+    """torch's own hook for a ``comm_hook=`` name: a fresh state per model (PowerSGD keeps
+    per-bucket error feedback in it)."""
+    if isinstance(spec, tuple):
+        return spec
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if spec == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if spec == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    return powerSGD_hook.PowerSGDState(process_group=None), powerSGD_hook.powerSGD_hook
 
 
 def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

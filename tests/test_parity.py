@@ -193,3 +193,32 @@ def test_a_stateful_loader_keeps_its_own_position():
 def test_state_outside_a_loop_names_no_loader():
     s = state()
     assert s.loader is None and s.batch_index == -1 and s.end_of_loader is False
+
+
+# ---- DDP communication hooks -------------------------------------------------------------------
+def _close(a, b, **tol):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], **tol)
+
+
+def test_comm_hooks_train_as_hand_written_ddp_with_the_same_hook(ranks):
+    _, results = ranks
+    for part in _section(results, "hooks"):
+        for spec in ("none", "fp16", "powersgd", "powersgd-now"):
+            _close(part[spec], part[f"hand_{spec}"], rtol=1e-6, atol=1e-7)
+        # within the hook's precision of the uncompressed run, and not the uncompressed run
+        _close(part["fp16"], part["none"], rtol=0, atol=2e-3)
+        assert any(not torch.equal(part["fp16"][k], part["none"][k]) for k in part["none"])
+        assert any(not torch.equal(part["powersgd-now"][k], part["none"][k])
+                   for k in part["none"])
+        assert "comm_hook='fp16'" in part["bf16_refused"]  # torch's bf16 hook needs NCCL
+
+
+def test_comm_hook_is_checked_and_refused_under_sharded():
+    from accel_ctx import sharded
+
+    with pytest.raises(ConfigurationError, match="did you mean 'bf16'"):
+        distributed(comm_hook="bf61")
+    with pytest.raises(ConfigurationError, match="FSDP2"), sharded(comm_hook="fp16"):
+        pass

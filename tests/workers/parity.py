@@ -176,4 +176,63 @@ def decisions() -> dict[str, Any]:
 
 def run_all() -> dict[str, Any]:
     return {"set_epoch": set_epoch(), "positions": positions(), "awareness": awareness(),
-            "decisions": decisions()}
+            "decisions": decisions(), "hooks": comm_hooks()}
+
+
+# ---- DDP communication hooks -------------------------------------------------------------------
+def _hook(spec: Any) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    if spec == "bf16":
+        return None, default_hooks.bf16_compress_hook
+    if spec == "fp16":
+        return None, default_hooks.fp16_compress_hook
+    if spec == "powersgd":
+        return powerSGD_hook.PowerSGDState(process_group=None), powerSGD_hook.powerSGD_hook
+    if spec == "powersgd-now":  # compressing from the second step on
+        return (powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2),
+                powerSGD_hook.powerSGD_hook)
+    return None, None
+
+
+def _train_hooked(batches: list[Any], spec: Any, scoped: bool) -> dict[str, torch.Tensor]:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from .common import MLP, params
+
+    torch.manual_seed(0)
+    model = MLP()
+    net: nn.Module = model
+    if not scoped:
+        net = nn.parallel.DistributedDataParallel(model)
+        state_, hook = _hook(spec)
+        if hook is not None:
+            net.register_comm_hook(state_, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        F.cross_entropy(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model)
+
+
+def comm_hooks() -> dict[str, Any]:
+    from .common import by_hand, make_data
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    data = make_data(48)
+    mine = list(DataLoader(data, batch_size=4))[rank::world]
+    out: dict[str, Any] = {}
+    for spec in ("none", "fp16", "powersgd", "powersgd-now"):  # bf16: CUDA only (torch's rule)
+        out[f"hand_{spec}"] = by_hand(_train_hooked, mine, spec, False)
+        option = None if spec == "none" else (_hook(spec) if spec == "powersgd-now" else spec)
+        with distributed(timeout=TIMEOUT, comm_hook=option):
+            out[spec] = _train_hooked(list(DataLoader(data, batch_size=4)), spec, True)
+    try:
+        with distributed(timeout=TIMEOUT, comm_hook="bf16"):
+            pass
+    except ValueError as exc:
+        out["bf16_refused"] = str(exc)
+    return out
+
