@@ -116,3 +116,20 @@ def test_with_cuda_initialised_here_the_ranks_are_spawned_and_use_their_gpus():
     torch.zeros(1, device="cuda")  # as a notebook cell would, before calling launch()
     world = min(2, torch.cuda.device_count())
     assert launch(launch_fns.device_of_rank, nprocs=world) == "cuda:0"
+
+
+def test_max_restarts_starts_the_job_again_after_a_failure(capfd):
+    out = launch(launch_fns.fail_first_attempts, nprocs=2, args=(1, 1), max_restarts=2)
+    assert out == {"restart": 1, "sum": 2.0}  # the second attempt, with both ranks
+    assert "attempt 1 of 3 failed" in capfd.readouterr().err
+
+
+def test_exhausted_restarts_raise_the_last_failure_naming_its_rank():
+    with pytest.raises(RuntimeError, match="flaky node on attempt 1") as info:  # or rank 0's
+        # DistributedError naming it: whichever rank reports first
+        launch(launch_fns.fail_first_attempts, nprocs=2, args=(5, 1), max_restarts=1)
+    if sys.version_info >= (3, 11):
+        notes = " ".join(info.value.__notes__)
+        assert "rank 1 of 2" in notes and "failed 2 times (max_restarts=1)" in notes
+    with pytest.raises(ConfigurationError, match="max_restarts"):
+        launch(launch_fns.whoami, nprocs=1, args=("x",), max_restarts=-1)

@@ -51,6 +51,7 @@ def launch(
     start_method: Literal["fork", "spawn", "forkserver"] | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    max_restarts: int = 0,
 ) -> R:
     """Run ``fn(*args, **kwargs)`` on ``nprocs`` new local processes; return rank 0's result.
 
@@ -67,6 +68,11 @@ def launch(
       (signal, ``os._exit``) raises :class:`~accel_ctx.errors.DistributedError` naming it.
     * ``env`` adds variables to the children; ``timeout`` (seconds) stops a job that runs
       longer and raises DistributedError.
+    * ``max_restarts=k`` (as ``accel-ctx launch --max-restarts``): when a rank fails or dies,
+      every rank is stopped and the job starts again, up to ``k`` times, each time with a fresh
+      rendezvous and ``TORCHELASTIC_RESTART_COUNT`` set as torchrun sets it (resume from your
+      last checkpoint with ``load_state``). The error of the last attempt is raised, noting the
+      restarts; KeyboardInterrupt is never retried.
 
     Example:
         >>> from accel_ctx import launch
@@ -75,7 +81,28 @@ def launch(
     """
     world = _count(nprocs)
     kwargs = dict(kwargs or {})
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ConfigurationError(
+            f"launch(max_restarts={max_restarts!r}): give the number of restarts, an int >= 0.")
     method = _start_method(fn, args, kwargs, start_method)
+    for attempt in range(max_restarts + 1):
+        try:
+            return _run(fn, world, args, kwargs, method, env, timeout, attempt)
+        except Exception as exc:
+            if attempt == max_restarts:
+                if max_restarts and hasattr(exc, "add_note"):
+                    exc.add_note(f"launch(): the job failed {max_restarts + 1} times "
+                                 f"(max_restarts={max_restarts}); this is the last failure.")
+                raise
+            print(f"accel-ctx launch(): attempt {attempt + 1} of {max_restarts + 1} failed "
+                  f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                  f"restarting all {world} processes.", file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def _run(fn: Callable[..., R], world: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+         method: str, env: Mapping[str, str] | None, timeout: float | None, restart: int) -> R:
+    """One attempt: start ``world`` children, collect rank 0's result, stop them all."""
     ctx: Any = mp.get_context(method)
     with tempfile.TemporaryDirectory(prefix="accel-ctx-launch-") as store_dir:
         base_env = {
@@ -83,6 +110,7 @@ def launch(
             "LOCAL_WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(_free_port()),
+            "TORCHELASTIC_RESTART_COUNT": str(restart),
             _env.INIT_METHOD_VAR: f"file://{os.path.join(store_dir, 'store')}",
             **({"OMP_NUM_THREADS": "1"} if world > 1 and "OMP_NUM_THREADS" not in os.environ
                else {}),

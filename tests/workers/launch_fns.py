@@ -73,3 +73,17 @@ def device_of_rank() -> str:
 
     with distributed():
         return str(state().device)
+
+
+def fail_first_attempts(attempts: int, rank_failing: int) -> dict[str, Any]:
+    """Fails on ``rank_failing`` while the restart count is below ``attempts``; the job's
+    distributed() forms afresh on each attempt."""
+    import torch
+
+    from accel_ctx import distributed, reduce, state
+
+    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    with distributed():
+        if restart < attempts and state().rank == rank_failing:
+            raise RuntimeError(f"flaky node on attempt {restart}")
+        return {"restart": restart, "sum": float(reduce(torch.ones(1)))}
