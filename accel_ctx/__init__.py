@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import errors
 from ._accumulate import accumulate, no_sync
+from ._batch_size import find_executable_batch_size
 from ._broadcast import broadcast, broadcast_object
 from ._clip import clip_grad_norm_, clip_grad_value_
 from ._collectives import gather, gather_object, pad_across_processes, reduce
@@ -59,6 +60,7 @@ __all__ = [
     "clip_grad_value_",
     "distributed",
     "errors",
+    "find_executable_batch_size",
     "gather",
     "gather_for_metrics",
     "gather_object",
@@ -97,7 +99,7 @@ for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_prec
               "reduce", "broadcast", "broadcast_object", "pad_across_processes",
               "gather_for_metrics", "split_between_processes", "get_logger", "any_rank",
               "all_ranks", "synchronize_rng_states", "loader_state", "load_loader_state",
-              "skip_first_batches"):
+              "skip_first_batches", "find_executable_batch_size"):
     globals()[_name].__module__ = __name__
 del _name
 

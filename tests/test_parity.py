@@ -222,3 +222,52 @@ def test_comm_hook_is_checked_and_refused_under_sharded():
         distributed(comm_hook="bf61")
     with pytest.raises(ConfigurationError, match="FSDP2"), sharded(comm_hook="fp16"):
         pass
+
+
+# ---- find_executable_batch_size ----------------------------------------------------------------
+def test_find_executable_batch_size_gives_every_rank_the_size_that_fits_all(ranks):
+    world, results = ranks
+    parts = _section(results, "batch_sizes")
+    smallest = 32 // world  # the last rank fits the least
+    agreed = 64
+    while agreed > smallest:
+        agreed //= 2
+    for part in parts:
+        assert part["probe"] == agreed
+        assert part["tried"] == [64 >> i for i in range(len(part["tried"]))]
+        assert part["tried"][-1] == agreed
+        assert part["trained_tried"] == [64, 32, 16]  # every rank ran out together
+    assert len({p["trained"] for p in parts}) == 1
+
+
+def test_a_rank_running_out_alone_mid_step_fails_fast_naming_itself(ranks):
+    _, results = ranks
+    parts = _section(results, "batch_sizes")
+    assert "rank 1 ran out of memory at batch size 32" in parts[1]["lopsided"]
+    for part in parts:
+        assert "rank 1" in part["lopsided"], part["lopsided"]
+        assert part["lopsided_seconds"] < 20  # not the 60 s collective timeout
+
+
+def test_find_executable_batch_size_in_one_process():
+    from accel_ctx import find_executable_batch_size
+
+    calls = []
+
+    @find_executable_batch_size(starting_batch_size=8, min_batch_size=2)
+    def never_fits(batch_size, tag):
+        calls.append((batch_size, tag))
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate")
+
+    with pytest.raises(ConfigurationError, match="8, 4, 2"):
+        never_fits("x")
+    assert calls == [(8, "x"), (4, "x"), (2, "x")]
+
+    @find_executable_batch_size
+    def other_error(batch_size):
+        raise ValueError("not memory")
+
+    with pytest.raises(ValueError, match="not memory"):
+        other_error()
+    with pytest.raises(ConfigurationError, match="starting_batch_size"):
+        find_executable_batch_size(starting_batch_size=0)

@@ -176,7 +176,7 @@ def decisions() -> dict[str, Any]:
 
 def run_all() -> dict[str, Any]:
     return {"set_epoch": set_epoch(), "positions": positions(), "awareness": awareness(),
-            "decisions": decisions(), "hooks": comm_hooks()}
+            "decisions": decisions(), "hooks": comm_hooks(), "batch_sizes": batch_sizes()}
 
 
 # ---- DDP communication hooks -------------------------------------------------------------------
@@ -236,3 +236,72 @@ def comm_hooks() -> dict[str, Any]:
         out["bf16_refused"] = str(exc)
     return out
 
+
+
+# ---- find_executable_batch_size ----------------------------------------------------------------
+class _Hungry(torch.nn.Module):
+    """Runs out of memory (as CUDA says it) in forward above ``limit`` rows."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.fc = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.fc(x)
+
+
+def batch_sizes() -> dict[str, Any]:
+    import time
+
+    import torch.nn.functional as F
+
+    from accel_ctx import find_executable_batch_size, reduce
+    from accel_ctx.errors import DistributedError
+
+    from .common import make_data
+
+    rank, _world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    out: dict[str, Any] = {"tried": [], "trained_tried": []}
+    with distributed(timeout=TIMEOUT):
+        @find_executable_batch_size(starting_batch_size=64)
+        def probe(batch_size: int) -> int:
+            out["tried"].append(batch_size)
+            reduce(torch.ones(1))  # collectives before the allocation that fails are fine
+            if batch_size > 32 // (rank + 1):  # each rank fits a different size
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return batch_size
+
+        out["probe"] = probe()
+
+        @find_executable_batch_size(starting_batch_size=64)
+        def train(batch_size: int) -> float:
+            out["trained_tried"].append(batch_size)
+            torch.manual_seed(0)
+            model = _Hungry(limit=16)  # the same on every rank: they run out together
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss = torch.zeros(())
+            for x, y in DataLoader(make_data(96), batch_size=batch_size):
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            return float(reduce(loss.detach(), "mean"))
+
+        out["trained"] = train()
+    start = time.monotonic()
+    try:
+        with distributed(timeout=TIMEOUT):
+            @find_executable_batch_size(starting_batch_size=32)
+            def lopsided(batch_size: int) -> None:
+                model = _Hungry(limit=8 if rank == 1 else 64)  # rank 1 runs out alone
+                for x, y in DataLoader(make_data(64), batch_size=batch_size):
+                    F.cross_entropy(model(x), y).backward()
+
+            lopsided()
+    except DistributedError as exc:
+        out["lopsided"] = str(exc)
+    out["lopsided_seconds"] = time.monotonic() - start
+    return out
