@@ -40,6 +40,7 @@ from ._process import (
 )
 from ._sharded import sharded
 from ._status import State, state
+from ._watch import log_metrics, progress
 
 if TYPE_CHECKING:
     from ._checkpoint import Resumed, load_state, save_model, save_state
@@ -69,6 +70,7 @@ __all__ = [
     "load_loader_state",
     "load_state",
     "loader_state",
+    "log_metrics",
     "main_print",
     "main_process_first",
     "mixed_precision",
@@ -78,6 +80,7 @@ __all__ = [
     "on_main_process",
     "on_process",
     "pad_across_processes",
+    "progress",
     "reduce",
     "save_model",
     "save_state",
@@ -99,7 +102,7 @@ for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_prec
               "reduce", "broadcast", "broadcast_object", "pad_across_processes",
               "gather_for_metrics", "split_between_processes", "get_logger", "any_rank",
               "all_ranks", "synchronize_rng_states", "loader_state", "load_loader_state",
-              "skip_first_batches", "find_executable_batch_size"):
+              "skip_first_batches", "find_executable_batch_size", "progress", "log_metrics"):
     globals()[_name].__module__ = __name__
 del _name
 

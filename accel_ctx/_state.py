@@ -16,7 +16,7 @@ import atexit
 import os
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -301,6 +301,30 @@ _open_precisions: dict[int, Concern] = {}
 # the next scope would race. Each process-group generation uses its own key prefix.
 _stores: dict[tuple[str, int, int], Any] = {}
 _pg_generation = 0
+# log_metrics(): one writer per tracker and directory for the life of the process.
+_metric_writers: dict[tuple[str, str], Any] = {}
+
+
+def metric_writer(key: tuple[str, str], make: Callable[[], Any]) -> Any:
+    """The writer cached under ``key`` (tracker, directory), made on first use."""
+    with _process_lock:
+        writer = _metric_writers.get(key)
+        if writer is None:
+            if not _metric_writers:
+                atexit.register(close_metric_writers)
+            writer = _metric_writers[key] = make()
+        return writer
+
+
+def close_metric_writers() -> None:
+    """Close every cached writer (log_metrics flushes after each call; this frees them)."""
+    with _process_lock:
+        writers = list(_metric_writers.values())
+        _metric_writers.clear()
+    for writer in writers:
+        close = getattr(writer, "close", None)
+        if callable(close):
+            close()
 
 
 def register_precision(runtime: Concern) -> None:

@@ -31,7 +31,10 @@ from .workers import parity
 @pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
 def ranks(request, tmp_path_factory):
     world = request.param
-    return world, spawn(parity.run_all, world, tmp_path_factory.mktemp("parity"), timeout=120)
+    metrics = tmp_path_factory.mktemp("metrics")
+    results = spawn(parity.run_all, world, tmp_path_factory.mktemp("parity"), str(metrics),
+                    timeout=120)
+    return world, results, metrics
 
 
 def _section(results, name):
@@ -40,7 +43,7 @@ def _section(results, name):
 
 # ---- set_epoch ---------------------------------------------------------------------------------
 def test_a_users_distributed_sampler_is_told_each_epoch_and_not_sharded_twice(ranks):
-    _world, results = ranks
+    _, results, _ = ranks
     for part in _section(results, "set_epoch"):
         assert part["auto"] == part["expected_auto"]
         assert part["auto"][0] != part["auto"][1]  # reshuffled: the epoch reached the sampler
@@ -50,20 +53,20 @@ def test_a_users_distributed_sampler_is_told_each_epoch_and_not_sharded_twice(ra
 
 
 def test_a_loop_that_calls_set_epoch_itself_keeps_its_epochs(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for part in _section(results, "set_epoch"):
         assert part["manual"] == part["expected_manual"]
 
 
 def test_a_streaming_dataset_is_told_each_epoch(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for part in _section(results, "set_epoch"):
         assert part["stream_epochs"] == [0, 1]
 
 
 # ---- loader positions --------------------------------------------------------------------------
 def test_loader_state_resumes_with_the_batches_of_a_run_that_never_stopped(ranks):
-    world, results = ranks
+    world, results, _ = ranks
     for part in _section(results, "positions"):
         assert part["saved_consumed"] == 2 * world  # global batches: every rank's two
         assert part["before"] == part["whole"][0][:2]
@@ -72,7 +75,7 @@ def test_loader_state_resumes_with_the_batches_of_a_run_that_never_stopped(ranks
 
 
 def test_skip_first_batches_skips_this_ranks_batches_once(ranks):
-    world, results = ranks
+    world, results, _ = ranks
     for rank, part in enumerate(_section(results, "positions")):
         # even_batches (the default) pads the last round with the epoch's first batches
         mine = [[2 * (i % 20), 2 * (i % 20) + 1] for i in range(rank, -(-20 // world) * world,
@@ -83,7 +86,7 @@ def test_skip_first_batches_skips_this_ranks_batches_once(ranks):
 
 # ---- loop awareness ----------------------------------------------------------------------------
 def test_state_tells_the_batch_index_and_the_last_batch_of_the_loader(ranks):
-    world, results = ranks
+    world, results, _ = ranks
     for _rank, part in enumerate(_section(results, "awareness")):
         # even_batches (the default) pads the last round: every rank has ceil(6 / W) batches
         count = -(-6 // world)
@@ -94,7 +97,7 @@ def test_state_tells_the_batch_index_and_the_last_batch_of_the_loader(ranks):
 
 # ---- decisions ---------------------------------------------------------------------------------
 def test_any_rank_and_all_ranks_give_every_rank_the_same_answer(ranks):
-    _world, results = ranks
+    _, results, _ = ranks
     for part in _section(results, "decisions"):
         assert part["any_last"] is True and part["any_none"] is False
         assert part["all_true"] is True and part["all_one"] is False
@@ -104,7 +107,7 @@ def test_any_rank_and_all_ranks_give_every_rank_the_same_answer(ranks):
 
 
 def test_synchronize_rng_states_gives_every_rank_rank_zeros_draws(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     draws = [p["draws"] for p in _section(results, "decisions")]
     assert all(d == draws[0] for d in draws)
     random.seed(0)
@@ -114,7 +117,7 @@ def test_synchronize_rng_states_gives_every_rank_rank_zeros_draws(ranks):
 
 
 def test_split_between_processes_takes_datasets_and_ranges(ranks):
-    world, results = ranks
+    world, results, _ = ranks
     parts = _section(results, "decisions")
     assert functools.reduce(operator.iadd, (p["squares"] for p in parts), []) == [i * i for i in range(10)]
     assert functools.reduce(operator.iadd, (list(p["range"]) for p in parts), []) == list(range(7))
@@ -203,7 +206,7 @@ def _close(a, b, **tol):
 
 
 def test_comm_hooks_train_as_hand_written_ddp_with_the_same_hook(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     for part in _section(results, "hooks"):
         for spec in ("none", "fp16", "powersgd", "powersgd-now"):
             _close(part[spec], part[f"hand_{spec}"], rtol=1e-6, atol=1e-7)
@@ -226,7 +229,7 @@ def test_comm_hook_is_checked_and_refused_under_sharded():
 
 # ---- find_executable_batch_size ----------------------------------------------------------------
 def test_find_executable_batch_size_gives_every_rank_the_size_that_fits_all(ranks):
-    world, results = ranks
+    world, results, _ = ranks
     parts = _section(results, "batch_sizes")
     smallest = 32 // world  # the last rank fits the least
     agreed = 64
@@ -241,7 +244,7 @@ def test_find_executable_batch_size_gives_every_rank_the_size_that_fits_all(rank
 
 
 def test_a_rank_running_out_alone_mid_step_fails_fast_naming_itself(ranks):
-    _, results = ranks
+    _, results, _ = ranks
     parts = _section(results, "batch_sizes")
     assert "rank 1 ran out of memory at batch size 32" in parts[1]["lopsided"]
     for part in parts:
@@ -271,3 +274,49 @@ def test_find_executable_batch_size_in_one_process():
         other_error()
     with pytest.raises(ConfigurationError, match="starting_batch_size"):
         find_executable_batch_size(starting_batch_size=0)
+
+
+# ---- progress and metrics ----------------------------------------------------------------------
+def test_progress_yields_every_rank_its_batches_and_draws_on_rank_zero_only(ranks):
+    world, results, _ = ranks
+    parts = _section(results, "watch")
+    for rank, part in enumerate(parts):
+        assert part["items"] == [[2 * i, 2 * i + 1] for i in range(rank, 6, world)]
+        assert len(part["items"]) == -(-6 // world)
+    total = -(-6 // world)
+    assert "train: 100%" in parts[0]["drawn"] and f"{total}/{total}" in parts[0]["drawn"]
+    assert all(p["drawn"] == "" for p in parts[1:])
+
+
+def test_log_metrics_writes_once_from_rank_zero_to_csv_and_tensorboard(ranks):
+    _, _, metrics = ranks
+    rows = (metrics / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,name,value,time"
+    assert [r.split(",")[:3] for r in rows[1:]] == [
+        [str(s), name, value] for s in range(3)
+        for name, value in (("loss", str(float(s))), ("lr", "0.1"))]
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(metrics))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
+    from accel_ctx import _watch, progress
+
+    monkeypatch.setattr(_watch, "_optional", lambda name: None)
+    assert list(progress(range(3), desc="eval", every_s=0.0)) == [0, 1, 2]
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["eval: 1/3", "eval: 2/3", "eval: 3/3", "eval: 3/3 done"]
+
+
+def test_log_metrics_skips_what_is_not_a_number(tmp_path):
+    from accel_ctx import log_metrics
+
+    with pytest.warns(UserWarning, match=r"skipped \['note'\]"):
+        log_metrics({"acc": torch.tensor(0.25), "note": "hello"}, step=7, directory=tmp_path)
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[1].startswith("7,acc,0.25,")
+    with pytest.raises(ConfigurationError, match="dict"):
+        log_metrics([("a", 1)], directory=tmp_path)

@@ -174,8 +174,8 @@ def decisions() -> dict[str, Any]:
     return out
 
 
-def run_all() -> dict[str, Any]:
-    return {"set_epoch": set_epoch(), "positions": positions(), "awareness": awareness(),
+def run_all(folder: str) -> dict[str, Any]:
+    return {"watch": watch(folder), "set_epoch": set_epoch(), "positions": positions(), "awareness": awareness(),
             "decisions": decisions(), "hooks": comm_hooks(), "batch_sizes": batch_sizes()}
 
 
@@ -304,4 +304,24 @@ def batch_sizes() -> dict[str, Any]:
     except DistributedError as exc:
         out["lopsided"] = str(exc)
     out["lopsided_seconds"] = time.monotonic() - start
+    return out
+
+
+# ---- progress and metrics ----------------------------------------------------------------------
+def watch(folder: str) -> dict[str, Any]:
+    import contextlib
+    import io
+
+    from accel_ctx import log_metrics, progress, reduce
+
+    out: dict[str, Any] = {}
+    with distributed(timeout=TIMEOUT):
+        loader = DataLoader(list(range(12)), batch_size=2)
+        drawn = io.StringIO()
+        with contextlib.redirect_stderr(drawn):
+            out["items"] = [b.tolist() for b in progress(loader, desc="train", mininterval=0)]
+        out["drawn"] = drawn.getvalue()
+        for step in range(3):
+            loss = reduce(torch.tensor(float(step)), "mean")
+            log_metrics({"loss": loss, "lr": 0.1}, step=step, directory=folder)
     return out
