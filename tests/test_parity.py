@@ -320,3 +320,14 @@ def test_log_metrics_skips_what_is_not_a_number(tmp_path):
     assert (tmp_path / "metrics.csv").read_text().splitlines()[1].startswith("7,acc,0.25,")
     with pytest.raises(ConfigurationError, match="dict"):
         log_metrics([("a", 1)], directory=tmp_path)
+
+
+def test_torchdatas_stateful_dataloader_resumes_through_loader_state():
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    loader = stateful.StatefulDataLoader(list(range(10)), batch_size=2)
+    it = iter(loader)
+    next(it)
+    saved = loader_state(loader)
+    fresh = stateful.StatefulDataLoader(list(range(10)), batch_size=2)
+    load_loader_state(fresh, saved)
+    assert [b.tolist() for b in fresh] == [[2, 3], [4, 5], [6, 7], [8, 9]]
