@@ -86,7 +86,7 @@ class Concern:
 
     HOOKS: ClassVar[tuple[str, ...]] = (
         "before_forward", "forward_context", "after_forward", "forward_failed", "forward_done",
-        "before_backward", "backward_failed", "after_backward",
+        "before_backward", "backward_context", "backward_failed", "after_backward",
         "allows_step", "skips_step", "before_step", "after_step", "first_optimizer",
         "allows_zero_grad", "defers_clipping", "grads_for_clipping",
     )
@@ -117,6 +117,10 @@ class Concern:
     def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
         """The loss to differentiate (divided, scaled)."""
         return loss
+
+    def backward_context(self) -> AbstractContextManager[Any] | None:
+        """A context the backward runs in (autocast switched off), or None."""
+        return None
 
     def backward_failed(self, exc: Exception) -> None:
         """The backward raised ``exc``: raise a clearer error instead, or return to keep it."""
@@ -183,6 +187,7 @@ class Hooks:
     forward_failed: tuple[Callable[[ForwardCall, Exception], None], ...]
     forward_done: tuple[Callable[[ForwardCall], None], ...]
     before_backward: tuple[Callable[[torch.Tensor, Session], torch.Tensor], ...]
+    backward_context: tuple[Callable[[], AbstractContextManager[Any] | None], ...]
     backward_failed: tuple[Callable[[Exception], None], ...]
     after_backward: tuple[Callable[[Session, Params], None], ...]
     allows_step: tuple[Callable[[OptimizerRecord], bool], ...]

@@ -107,7 +107,14 @@ def backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
     # Tensor subclasses dispatch backward through __torch_function__ back to this patch.
     token = _state.IN_BACKWARD.set(True)
     try:
-        result = stock.backward(loss, *args, **kwargs)
+        contexts = [c for h in hooks.backward_context if (c := h()) is not None]
+        if contexts:
+            with contextlib.ExitStack() as exits:
+                for context in contexts:
+                    exits.enter_context(context)
+                result = stock.backward(loss, *args, **kwargs)
+        else:
+            result = stock.backward(loss, *args, **kwargs)
     except Exception as exc:
         for failed in hooks.backward_failed:
             failed(exc)

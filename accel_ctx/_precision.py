@@ -1,20 +1,30 @@
 """``mixed_precision()`` and ``@autocast_forward``: the precision concern.
 
-The forward of each top-level module call runs under ``torch.autocast``; the backward never
-does. fp16 scales the loss (``_loss_scale``). A launcher's ``--mixed-precision`` is a default
-runtime that ``distributed()`` opens and any explicit ``mixed_precision()`` overrides.
+The rule is torch's AMP recipe, ``with torch.autocast(...): out = model(x); loss = f(out)``
+then ``loss.backward()`` and ``opt.step()`` outside it: the scope's code runs under
+``torch.autocast`` for the scope's device, ``loss.backward()`` and optimizer steps run with it
+switched off, and a training forward's outputs are what autocast made (a bf16 logits tensor
+stays bf16: no fp32 copy the recipe never makes; the loss computed from it under the scope's
+autocast follows autocast's per-op policy, e.g. ``cross_entropy`` in fp32). Outputs are cast
+to fp32 where code after the forward would not run under the same autocast (a forward with no
+gradients, for reading results; a model on another device type; a helper thread) and when
+``output_dtype`` asks. fp16 scales the loss (``_loss_scale``). A launcher's
+``--mixed-precision`` is a default runtime that ``distributed()`` opens and any explicit
+``mixed_precision()`` overrides.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+import weakref
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
-from typing import Any, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 import wrapt
+from torch import nn
 
 from . import _env, _state
 from ._concern import Concern, ForwardCall, Grads
@@ -27,6 +37,7 @@ from ._warn import warn_user
 from .errors import ConfigurationError
 
 F = TypeVar("F")
+AUTO: Literal["auto"] = "auto"
 
 
 def _policy_name(policy: str | None) -> str:
@@ -73,8 +84,9 @@ class PrecisionPolicy:
 
     name: str
     """'bf16', 'fp16' or 'no'."""
-    output_dtype: torch.dtype | None = torch.float32
-    """Floating outputs of an adopted module's forward are cast to this (None: keep them)."""
+    output_dtype: torch.dtype | Literal["auto"] | None = AUTO
+    """Floating outputs of a top-level forward are cast to this (None: kept as computed;
+    "auto": kept where the caller's code runs under the same autocast, else fp32)."""
     init_scale: float = 2.0**16
     """fp16: the first loss scale."""
     growth_interval: int = 2000
@@ -120,6 +132,10 @@ class PrecisionRuntime(Concern):
         self.scaling = (LossScaler(policy.init_scale, policy.growth_interval)
                         if self.dtype == torch.float16 else None)
         self.skipped_steps = 0
+        self._step_paused: str | None = None  # the autocast switched off for a step()
+        # per top-level module: its parameters and the sum of their versions at its last forward
+        self._weights: weakref.WeakKeyDictionary[nn.Module, list[Any]] = (
+            weakref.WeakKeyDictionary())
         self._checked: set[str] = set()
         if device_type is not None:
             self._check(device_type)
@@ -136,16 +152,67 @@ class PrecisionRuntime(Concern):
         self._check(device_type)
         return torch.autocast(device_type, dtype=self.dtype)
 
+    def scope_device_type(self) -> str:
+        """The device type the scope's own code runs under autocast for."""
+        if self.device_type is not None:
+            return self.device_type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
     def forward_context(self, call: ForwardCall) -> AbstractContextManager[Any]:
+        if self.dtype is not None:
+            self._drop_stale_casts(call.module)
         return self.autocast(call.device_type or "cpu")
 
-    def cast_output(self, out: Any) -> Any:
-        if self.dtype is None or self.policy.output_dtype is None:
+    def _drop_stale_casts(self, module: nn.Module) -> None:
+        """Autocast caches each weight's low-precision copy until its outermost region ends,
+        which the scope's region never does within the scope. The recipe's region ends before
+        each backward (``backward_context`` clears the cache there, as its exit would); a
+        weight changed in place in between (an optimizer step, ``load_state_dict``, an EMA
+        swap for evaluation) shows in its version counter, and its stale copy is dropped
+        before the forward that would use it. Forwards of an unchanged model within one step
+        share the copies, as within one ``with torch.autocast()``."""
+        seen = self._weights.get(module)
+        if seen is None:
+            params = list(module.parameters())
+            self._weights[module] = [params, sum(p._version for p in params)]
+            torch.clear_autocast_cache()
+            return
+        now = sum(p._version for p in seen[0])
+        if now != seen[1]:
+            seen[1] = now
+            torch.clear_autocast_cache()
+
+    def cast_output(self, out: Any, kept: bool = False) -> Any:
+        """``out`` as the caller gets it; ``kept``: the caller's code runs under this autocast."""
+        wanted = self.policy.output_dtype
+        if self.dtype is None or wanted is None or (wanted == AUTO and kept):
             return out
-        return cast_floating(out, self.policy.output_dtype)
+        return cast_floating(out, torch.float32 if wanted == AUTO else wanted)
 
     def after_forward(self, call: ForwardCall, out: Any) -> Any:
-        return self.cast_output(out)
+        device_type = call.device_type or "cpu"
+        kept = (call.grad and torch.is_autocast_enabled(device_type)
+                and torch.get_autocast_dtype(device_type) == self.dtype)
+        return self.cast_output(out, kept)
+
+    def backward_context(self) -> AbstractContextManager[Any] | None:
+        device_type = self.scope_device_type()
+        if self.dtype is None or not torch.is_autocast_enabled(device_type):
+            return None
+        torch.clear_autocast_cache()  # the recipe's autocast ended before its backward
+        self._weights.clear()  # parameters may be replaced by then: listed afresh
+        return torch.autocast(device_type, enabled=False)  # backward runs outside autocast
+
+    def before_step(self, session: Session) -> None:
+        device_type = self.scope_device_type()
+        if self.dtype is not None and torch.is_autocast_enabled(device_type):
+            torch.set_autocast_enabled(device_type, False)  # steps run outside autocast
+            self._step_paused = device_type
+
+    def after_step(self) -> None:
+        if self._step_paused is not None:
+            torch.set_autocast_enabled(self._step_paused, True)
+            self._step_paused = None
 
     # ---- fp16 loss scaling -----------------------------------------------------------------------
     def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
@@ -194,15 +261,24 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
     _state.register_precision(runtime)
     exits.callback(_state.unregister_precision, runtime)
     exits.callback(runtime.close)
+    below = _state.current()
+    explicit = below.find(PrecisionRuntime) if below is not None else None
+    if explicit is None or explicit.is_default:
+        exits.enter_context(runtime.autocast(device.type))
     return runtime
 
 
 class mixed_precision(Scope):
     """Run forwards in reduced precision inside the scope: ``"bf16"``, ``"fp16"`` or ``"no"``.
 
-    Each top-level module call runs its forward under ``torch.autocast`` for the device and
-    returns fp32 outputs (``output_dtype=None`` keeps them as computed); backward never runs
-    under autocast. With ``"fp16"``, ``loss.backward()`` scales the loss with a
+    The scope's code runs as torch's AMP recipe runs it: under ``torch.autocast`` for the
+    device (the job's, else CUDA where available, else the CPU), with ``loss.backward()`` and
+    optimizer steps outside autocast. A training forward returns what autocast computed (a
+    bf16 ``Linear`` output stays bf16, no fp32 copy is made), and the loss you compute from it
+    in the scope follows autocast's per-op policy (``cross_entropy``, ``softmax`` and
+    reductions in fp32), so ``loss.item()`` reads an fp32 value. A forward without gradients
+    (evaluation) returns fp32 outputs, ready for ``.numpy()``; ``output_dtype=torch.float32``
+    casts every forward's outputs, ``output_dtype=None`` none. With ``"fp16"``, ``loss.backward()`` scales the loss with a
     ``torch.amp.GradScaler``, ``opt.step()`` unscales, skips the step on inf/NaN gradients
     (``state().skipped_steps`` counts them) and the scale adapts; LR schedulers advance only
     with real steps. ``None`` takes the launcher's ``--mixed-precision`` (default ``"no"``).
@@ -214,8 +290,11 @@ class mixed_precision(Scope):
         >>> model = torch.nn.Linear(4, 4)
         >>> with mixed_precision("bf16"):
         ...     out = model(torch.randn(2, 4))
-        >>> out.dtype
-        torch.float32
+        ...     loss = out.float().pow(2).mean()
+        ...     with torch.no_grad():
+        ...         evaluated = model(torch.randn(2, 4))
+        >>> out.dtype, loss.dtype, evaluated.dtype
+        (torch.bfloat16, torch.float32, torch.float32)
     """
 
 
@@ -223,14 +302,15 @@ class mixed_precision(Scope):
         self,
         policy: str | None = None,
         *,
-        output_dtype: torch.dtype | None = torch.float32,
+        output_dtype: torch.dtype | Literal["auto"] | None = AUTO,
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
     ) -> None:
         super().__init__()
-        if output_dtype is not None and not isinstance(output_dtype, torch.dtype):
+        if output_dtype not in (None, AUTO) and not isinstance(output_dtype, torch.dtype):
             raise ConfigurationError(
-                f"mixed_precision(output_dtype={output_dtype!r}): give a torch.dtype or None."
+                f"mixed_precision(output_dtype={output_dtype!r}): give a torch.dtype, None "
+                "(outputs as computed) or 'auto'."
             )
         self._requested = policy
         if policy is not None:
@@ -249,9 +329,8 @@ class mixed_precision(Scope):
         _state.register_precision(runtime)
         exits.callback(_state.unregister_precision, runtime)
         exits.callback(runtime.close)
-        if below is not None and below.in_forward:  # opened inside a forward: applies at once
-            default = "cuda" if torch.cuda.is_available() else "cpu"
-            exits.enter_context(runtime.autocast(device_type or default))
+        # the scope's own code runs under autocast (the recipe's loss computation)
+        exits.enter_context(runtime.autocast(runtime.scope_device_type()))
         return runtime
 
 
@@ -306,8 +385,11 @@ def autocast_forward(fn: F) -> F:
         runtime = _precision_for_here()
         if runtime is None or runtime.dtype is None:
             return wrapped(*args, **kwargs)
-        with runtime.autocast(_device_type_of(instance, args, runtime)):
+        device_type = _device_type_of(instance, args, runtime)
+        with runtime.autocast(device_type):
             out = wrapped(*args, **kwargs)
-        return runtime.cast_output(out)
+        kept = (torch.is_grad_enabled() and torch.is_autocast_enabled(device_type)
+                and torch.get_autocast_dtype(device_type) == runtime.dtype)
+        return runtime.cast_output(out, kept)
 
     return cast(F, wrapt.FunctionWrapper(cast(Any, fn), run))

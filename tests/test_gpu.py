@@ -43,9 +43,9 @@ def test_cuda_autocast_matches_hand_written(policy):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cuda", enabled=policy == "fp16")
         for x, y in DataLoader(make_data(), batch_size=16):
-            with torch.autocast("cuda", dtype=dtype):
-                out = model(x.cuda())
-            scaler.scale(F.cross_entropy(out.float(), y.cuda())).backward()
+            with torch.autocast("cuda", dtype=dtype):  # torch's recipe: the loss inside
+                loss = F.cross_entropy(model(x.cuda()), y.cuda())
+            scaler.scale(loss).backward()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()

@@ -183,12 +183,12 @@ def test_several_optimizers_and_losses_per_step():
                 oa.step()
                 ob.step()
             else:
-                with torch.autocast("cpu", dtype=torch.float16):
+                with torch.autocast("cpu", dtype=torch.float16):  # torch's recipe: the losses too
                     h = a(x)
-                    logits = b(h)
-                h = h.float()
-                scaler.scale(F.cross_entropy(logits.float(), y)).backward(retain_graph=True)
-                scaler.scale(h.pow(2).mean() * 1e-3).backward()
+                    main = F.cross_entropy(b(h), y)
+                    aux = h.pow(2).mean() * 1e-3
+                scaler.scale(main).backward(retain_graph=True)
+                scaler.scale(aux).backward()
                 scaler.step(oa)
                 scaler.step(ob)
                 scaler.update()
@@ -205,19 +205,66 @@ def test_several_optimizers_and_losses_per_step():
             assert torch.equal(ha[k], sa[k]) and torch.equal(hb[k], sb[k])
 
 
-def test_outputs_are_fp32_and_backward_is_not_autocast():
+def test_outputs_follow_the_recipe_and_backward_and_step_are_not_autocast():
     seen = []
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     model[0].register_full_backward_hook(lambda *_: seen.append(torch.is_autocast_enabled("cpu")))
+
+    class Watching(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(torch.is_autocast_enabled("cpu"))
+            return super().step(closure)
+
+    opt = Watching(model.parameters(), lr=0.1)
     with mixed_precision("bf16"):
         out = model(torch.randn(3, 4))
         out.register_hook(lambda g: seen.append(torch.is_autocast_enabled("cpu")))
-        assert out.dtype == torch.float32
-        out.sum().backward()
-        kept = mixed_precision("bf16", output_dtype=None)
-        with kept:
+        assert out.dtype == torch.bfloat16  # what autocast made: no fp32 copy
+        loss = F.cross_entropy(out, torch.tensor([0, 1, 0]))
+        assert loss.dtype == torch.float32  # under the scope's autocast, as in the recipe
+        loss.backward()
+        opt.step()
+        assert torch.is_autocast_enabled("cpu")  # back on for the next forward
+        with torch.no_grad():  # evaluation: fp32, ready for .numpy()
+            assert model(torch.randn(3, 4)).numpy().dtype.name == "float32"
+        with mixed_precision("bf16", output_dtype=torch.float32):
+            assert model(torch.randn(3, 4)).dtype == torch.float32
+        with mixed_precision("bf16", output_dtype=None), torch.no_grad():
             assert model(torch.randn(3, 4)).dtype == torch.bfloat16
-    assert seen == [False, False]
+    assert seen == [False, False, False]
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_weights_swapped_for_evaluation_are_cast_afresh_and_back():
+    """An EMA-style swap between forwards, with no step in between: no stale cast is used."""
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    averaged = {k: v * 0.5 for k, v in trained.items()}
+    with mixed_precision("bf16"), torch.no_grad():
+        first = model(x)
+        model.load_state_dict(averaged)
+        on_average = model(x)
+        model.load_state_dict(trained)
+        again = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model.load_state_dict(averaged)
+        expected = model(x).float()
+    assert torch.equal(on_average, expected) and torch.equal(first, again)
+
+
+def test_weights_updated_by_a_step_are_cast_afresh_at_the_next_forward():
+    """The scope's autocast stays on across steps; its weight cache must not."""
+    model = nn.Linear(4, 2)
+    x = torch.randn(3, 4)
+    with mixed_precision("bf16"):
+        before = model(x)
+        with torch.no_grad():
+            model.weight.add_(1.0)  # any in-place change: an optimizer step, a load
+        after = model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(x)
+    assert torch.equal(after, expected) and not torch.equal(after, before)
 
 
 class Tower(nn.Module):

@@ -65,7 +65,7 @@ def test_mixed_precision_gathers_in_low_precision_and_keeps_fp32_masters(tmp_pat
     for got, want in zip(sharded, ddp, strict=True):
         assert got["compute"] == [dtype]  # FSDP2's MixedPrecisionPolicy gathered it so
         assert got["master"] == ["torch.float32"]
-        assert got["logits"] == want["logits"] == "torch.float32"  # the same output rule
+        assert got["logits"] == want["logits"] == dtype  # the same output rule (the recipe's)
         assert got["skipped"] == want["skipped"]
         assert got["scale"] == want["scale"]
         # the same training within the precision's rounding
