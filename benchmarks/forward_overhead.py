@@ -14,7 +14,7 @@ bf16 mixed_precision alone        the same                           ``with mixe
 ================================  =================================  ===========================
 
 The reference enters autocast around each forward and casts the output to fp32, which is what
-``mixed_precision`` does for each top-level call (``output_dtype=torch.float32``). Pairs
+``mixed_precision`` does for a top-level call without gradients (evaluation). Pairs
 alternate (A B, B A, ...); the table gives the geometric mean of the per-pair ratios and the
 A/A noise floor. Target: <= 1.05.
 

@@ -8,15 +8,16 @@ one epoch untimed (warm-up), then times whole epochs. Per row:
 row        hand-written (A)                            accel_ctx (B)
 =========  ==========================================  =========================================
 fp32       DDP + DistributedSampler                    ``with distributed():`` plain loop
-bf16       ... + ``torch.autocast`` (bf16), fp32 loss  ... + ``mixed_precision("bf16")``
+bf16       ... + ``torch.autocast`` (bf16) over forward ... + ``mixed_precision("bf16")``
+           and loss (torch's AMP recipe)
 fp16       ... + autocast (fp16) + ``GradScaler``      ... + ``mixed_precision("fp16")``
 accum4     ... + ``ddp.no_sync()`` on 3 of 4 micro-    ... + ``accumulate(4)``
            batches, loss / 4, step every 4th
 =========  ==========================================  =========================================
 
 Both sides train on the same in-memory data with the same per-rank batch size and number of
-steps. The hand-written side casts the autocast output to fp32 before the loss, as
-``mixed_precision`` does by default (``output_dtype=torch.float32``), so both do the same work.
+steps. The hand-written side is torch's AMP recipe (forward and loss under autocast, backward
+and step outside), which is the rule ``mixed_precision`` follows, so both do the same work.
 accel_ctx broadcasts rank 0's sampling RNG at the start of every epoch (DistributedSampler
 needs no collective): that cost is in its figures, spread over the epoch's batches.
 Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the process CPU time.
@@ -185,9 +186,8 @@ def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: 
                     opt.zero_grad()
             else:
                 for x, y in loader:
-                    with torch.autocast("cpu", dtype=dtype):
-                        out = ddp(x)
-                    loss = F.cross_entropy(out.float(), y)
+                    with torch.autocast("cpu", dtype=dtype):  # torch's AMP recipe
+                        loss = F.cross_entropy(ddp(x), y)
                     if scaler is not None:
                         scaler.scale(loss).backward()
                         scaler.step(opt)
