@@ -19,32 +19,32 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import errors
-from ._accumulate import accumulate, no_sync
-from ._batch_size import find_executable_batch_size
-from ._broadcast import broadcast, broadcast_object
-from ._clip import clip_grad_norm_, clip_grad_value_
-from ._collectives import gather, gather_object, pad_across_processes, reduce
-from ._decide import all_ranks, any_rank, synchronize_rng_states
-from ._distributed import DistributedOptions, distributed
-from ._evaluation import gather_for_metrics, split_between_processes
-from ._logging import get_logger, main_print
-from ._position import load_loader_state, loader_state, skip_first_batches
-from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
-from ._process import (
-    main_process_first,
-    on_last_process,
-    on_local_main_process,
-    on_main_process,
-    on_process,
-    wait_for_everyone,
-)
-from ._sharded import sharded
-from ._status import State, state
-from ._watch import log_metrics, progress
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name loads on use
+    from ._accumulate import accumulate, no_sync
+    from ._batch_size import find_executable_batch_size
+    from ._broadcast import broadcast, broadcast_object
     from ._checkpoint import Resumed, load_state, save_model, save_state
+    from ._clip import clip_grad_norm_, clip_grad_value_
+    from ._collectives import gather, gather_object, pad_across_processes, reduce
+    from ._decide import all_ranks, any_rank, synchronize_rng_states
+    from ._distributed import DistributedOptions, distributed
+    from ._evaluation import gather_for_metrics, split_between_processes
     from ._launch.fn import launch
+    from ._logging import get_logger, main_print
+    from ._position import load_loader_state, loader_state, skip_first_batches
+    from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
+    from ._process import (
+        main_process_first,
+        on_last_process,
+        on_local_main_process,
+        on_main_process,
+        on_process,
+        wait_for_everyone,
+    )
+    from ._sharded import sharded
+    from ._status import State, state
+    from ._watch import log_metrics, progress
 
 __all__ = [
     "DistributedOptions",
@@ -94,28 +94,64 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-for _name in ("State", "state", "distributed", "DistributedOptions", "mixed_precision",
-              "PrecisionPolicy", "autocast_forward", "accumulate", "no_sync", "sharded",
-              "clip_grad_norm_", "clip_grad_value_",
-              "on_main_process", "on_local_main_process", "on_process", "on_last_process",
-              "main_process_first", "wait_for_everyone", "main_print", "gather", "gather_object",
-              "reduce", "broadcast", "broadcast_object", "pad_across_processes",
-              "gather_for_metrics", "split_between_processes", "get_logger", "any_rank",
-              "all_ranks", "synchronize_rng_states", "loader_state", "load_loader_state",
-              "skip_first_batches", "find_executable_batch_size", "progress", "log_metrics"):
-    globals()[_name].__module__ = __name__
-del _name
-
-# The checkpoint and launcher wings load on first use, so `import accel_ctx` stays cheap.
-_LAZY = {"Resumed": "_checkpoint", "save_state": "_checkpoint", "load_state": "_checkpoint",
-         "save_model": "_checkpoint", "launch": "_launch.fn"}
+# Every public name loads its module on first use: `import accel_ctx` costs next to nothing and
+# imports no torch (the `accel-ctx` command's --help and config rely on it), and
+# `from accel_ctx import distributed` loads only what it needs.
+_HOMES = {
+    "accumulate": "_accumulate",
+    "no_sync": "_accumulate",
+    "find_executable_batch_size": "_batch_size",
+    "broadcast": "_broadcast",
+    "broadcast_object": "_broadcast",
+    "Resumed": "_checkpoint",
+    "load_state": "_checkpoint",
+    "save_model": "_checkpoint",
+    "save_state": "_checkpoint",
+    "clip_grad_norm_": "_clip",
+    "clip_grad_value_": "_clip",
+    "gather": "_collectives",
+    "gather_object": "_collectives",
+    "pad_across_processes": "_collectives",
+    "reduce": "_collectives",
+    "all_ranks": "_decide",
+    "any_rank": "_decide",
+    "synchronize_rng_states": "_decide",
+    "DistributedOptions": "_distributed",
+    "distributed": "_distributed",
+    "gather_for_metrics": "_evaluation",
+    "split_between_processes": "_evaluation",
+    "launch": "_launch.fn",
+    "get_logger": "_logging",
+    "main_print": "_logging",
+    "load_loader_state": "_position",
+    "loader_state": "_position",
+    "skip_first_batches": "_position",
+    "PrecisionPolicy": "_precision",
+    "autocast_forward": "_precision",
+    "mixed_precision": "_precision",
+    "main_process_first": "_process",
+    "on_last_process": "_process",
+    "on_local_main_process": "_process",
+    "on_main_process": "_process",
+    "on_process": "_process",
+    "wait_for_everyone": "_process",
+    "sharded": "_sharded",
+    "State": "_status",
+    "state": "_status",
+    "log_metrics": "_watch",
+    "progress": "_watch",
+}
 
 
 def __getattr__(name: str) -> Any:
-    home = _LAZY.get(name)
+    home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{home}", __name__), name)
-    value.__module__ = __name__
+    value.__module__ = __name__  # reprs and docs show the public path
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

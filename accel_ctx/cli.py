@@ -52,6 +52,9 @@ def launch_main(argv: Sequence[str]) -> int:
     from ._launch.netif import route_to
 
     try:
+        if _launch_args.wants_help(argv):  # --help imports no torch
+            print(launch_help(), end="")
+            return 0
         arity = torchrun_arity()
         if _launch_args.parse(argv, arity).help or not argv:
             print(launch_help(), end="")

@@ -27,3 +27,23 @@ def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_commands_help_and_config_import_no_torch(tmp_path):
+    code = (
+        "import sys, contextlib, io\n"
+        "from accel_ctx.cli import main\n"
+        "for argv in (['--help'], ['launch', '--help'], ['launch', '-n', '2', '--help'],\n"
+        "             ['config', '--show'], ['env', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(argv) == 0, argv\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "import accel_ctx\n"
+        "assert 'torch' not in sys.modules  # importing the package loads nothing heavy\n"
+        "accel_ctx.state\n"
+        "assert 'torch' in sys.modules  # a name loads its module on first use\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120, cwd=tmp_path, env={**__import__("os").environ,
+                                                            "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr

@@ -78,6 +78,25 @@ class _Parsed:
         return found
 
 
+def wants_help(argv: Sequence[str]) -> bool | None:
+    """Whether ``argv`` asks for help, told without torchrun's parser (so without torch);
+    None when a torchrun flag comes first and only its parser can say."""
+    i = 0
+    while i < len(argv):
+        name = argv[i].partition("=")[0]
+        if name in ("-h", "--help"):
+            return True
+        if not name.startswith("-") or name in ("-", "--"):
+            return False  # the script: what follows is its own
+        if name in OURS:
+            i += 1 if "=" in argv[i] else 2
+        elif name[:2] in _SHORT:
+            i += 1  # -n4
+        else:
+            return None
+    return not argv
+
+
 def parse(argv: Sequence[str], arity: Mapping[str, bool]) -> _Parsed:
     """Split the command line: our flags, torchrun's flags (``arity``: takes a value), script."""
     parsed = _Parsed()
