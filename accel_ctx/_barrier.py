@@ -25,7 +25,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 import weakref
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
@@ -37,6 +39,7 @@ from .errors import DistributedError
 if TYPE_CHECKING:
     from ._job import Job
 
+_WATCH_S = 1.0  # how often a waiting rank looks whether a missing rank's process died
 _OK = "ok"
 _FAILED = "failed: "
 _LEFT = "left: "
@@ -102,7 +105,7 @@ def sync_point(
         store.set(f"{point}/arrived/{rank}", signature if signature is not None else label)
         if store.add(f"{point}/count", 1) == world:
             store.compare_set(f"{point}/done", "", _OK)
-        store.wait([f"{point}/done"], timeout)
+        _wait_watching(job, record, point, label, timeout.total_seconds())
         verdict = store.get(f"{point}/done").decode()
         if verdict != _OK:
             raise _refused(rank, label, verdict)
@@ -123,6 +126,43 @@ def sync_point(
     job.progress.phase = f"after {label}"
     _forget(record, n - 1, rank)
     return signatures
+
+
+def _wait_watching(job: Job, record: _SyncRecord, point: str, label: str,
+                   seconds: float) -> None:
+    """Wait for the point's verdict; a missing rank whose process died (on this machine) ends
+    the wait at once, marked for every rank, instead of at the timeout."""
+    deadline = time.monotonic() + seconds
+    done = f"{point}/done"
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            record.store.wait([done], timedelta(seconds=max(0.01, min(_WATCH_S, left))))
+            return
+        except RuntimeError as exc:
+            if left <= _WATCH_S or "timeout" not in str(exc).lower():
+                raise
+        dead = _dead(job, record, point)
+        if dead is not None:
+            rank, where = dead
+            announce_failure(job, f"rank {rank} died{f' ({where})' if where else ''}",
+                             culprit=rank)
+            return  # the verdict names the dead rank
+
+
+def _dead(job: Job, record: _SyncRecord, point: str) -> tuple[int, str] | None:
+    """A rank that has not arrived and whose process is gone, with where it last was."""
+    missing = [r for r in range(job.world_size)
+               if not record.store.check([f"{point}/arrived/{r}"])]
+    if not missing:
+        return None
+    records = _progress.read(record.store, record.prefix, job.world_size)
+    for rank in missing:
+        last = records.get(rank)
+        if last is not None and last.get("state") == _progress.RUNNING and (
+                _progress.process_gone(last)):
+            return rank, _progress.describe(last)
+    return None
 
 
 def _refused(rank: int, label: str, verdict: str) -> DistributedError:

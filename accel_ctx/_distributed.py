@@ -116,7 +116,7 @@ class DistributedRuntime(Concern):
         job = self.job
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1
-        progress.phase = FORWARD
+        progress.mark(FORWARD)
         engine: Engine | None
         try:
             if self.plan is None:
@@ -151,7 +151,7 @@ class DistributedRuntime(Concern):
         if progress.armed and self.job.world_size > 1:
             _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")
         progress.seq += 1
-        progress.phase = BACKWARD
+        progress.mark(BACKWARD)
         return loss
 
     def backward_failed(self, exc: Exception) -> None:
@@ -168,7 +168,8 @@ class DistributedRuntime(Concern):
 
     def before_step(self, session: Session) -> None:
         progress = self.job.progress
-        progress.step, progress.seq, progress.phase = session.step, 0, STEP
+        progress.step, progress.seq = session.step, 0
+        progress.mark(STEP)
 
     def after_step(self) -> None:
         self.job.progress.phase = AFTER_STEP

@@ -16,10 +16,13 @@ JSON object ``{step, seq, phase, where, beat, pid, host, state, detail, blames}`
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import os
+import re
 import socket
 import sys
+import tempfile
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +47,7 @@ _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 class Progress:
     """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
 
-    __slots__ = ("armed", "blames", "detail", "phase", "seq", "state", "step")
+    __slots__ = ("armed", "blames", "detail", "phase", "seq", "state", "step", "where")
 
     def __init__(self) -> None:
         self.step = 0  # optimizer steps taken (state().step)
@@ -56,10 +59,16 @@ class Progress:
         self.state = RUNNING
         self.detail = ""
         self.blames: list[int] = []
+        self.where = ""  # the user's line that entered the phase ("train.py:42 in main")
 
     def enter(self, phase: str) -> None:
         self.seq += 1
+        self.mark(phase)
+
+    def mark(self, phase: str) -> None:
+        """Enter ``phase``, noting the user's line; called on the training thread itself."""
         self.phase = phase
+        self.where = here()
 
     def position(self) -> tuple[int, int]:
         return self.step, self.seq
@@ -89,14 +98,46 @@ def _is_users(filename: str) -> bool:
     return not path.startswith(_STDLIB) or "-packages" in path
 
 
+_USERS: dict[Any, bool] = {}  # code object -> whether it is the user's (cached: hot path)
+
+
 def _user_line(frame: Any) -> str:
     """The innermost frame outside accel_ctx, torch, wrapt and the standard library."""
     while frame is not None:
-        filename = frame.f_code.co_filename
-        if _is_users(filename):
-            return f"{os.path.basename(filename)}:{frame.f_lineno} in {frame.f_code.co_name}"
+        code = frame.f_code
+        users = _USERS.get(code)
+        if users is None:
+            users = _USERS[code] = _is_users(code.co_filename)
+        if users:
+            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
         frame = frame.f_back
     return ""
+
+
+_FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+
+
+def thread_line(dump: str, thread_id: int) -> str:
+    """The user's innermost line of thread ``thread_id`` in a ``faulthandler`` dump."""
+    header = f"hread 0x{thread_id:016x}"  # "Thread 0x..." or "Current thread 0x..."
+    inside = False
+    for line in dump.splitlines():
+        if line.startswith(("Thread 0x", "Current thread 0x")):
+            inside = header in line
+            continue
+        match = _FRAME_LINE.match(line) if inside else None
+        if match is not None and _is_users(match.group(1)):
+            return f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}"
+    return ""
+
+
+def here() -> str:
+    """The user's line the calling thread is running.
+
+    Only ever for the calling thread's own frames: walking another running thread's frames
+    (``sys._current_frames()``) races with that thread popping them and can crash CPython.
+    """
+    return _user_line(sys._getframe(1))
 
 
 class Heartbeat:
@@ -106,8 +147,9 @@ class Heartbeat:
         self.progress = progress
         self.key = key
         self.store = store
-        self.thread_id = threading.get_ident()  # the training thread, whose line is shown
         self.beat = 0
+        self.thread_id = threading.get_ident()  # the training thread, whose line is shown
+        self._dump: Any = None  # a temporary file faulthandler writes the threads' stacks to
         self.pid = os.getpid()
         self.host = machine()
         self._lock = threading.Lock()
@@ -127,11 +169,29 @@ class Heartbeat:
 
     def record(self) -> dict[str, Any]:
         p = self.progress
-        frame = sys._current_frames().get(self.thread_id)
         self.beat += 1
-        return {"step": p.step, "seq": p.seq, "phase": p.phase, "where": _user_line(frame),
+        where = self._current_line() or p.where
+        return {"step": p.step, "seq": p.seq, "phase": p.phase, "where": where,
                 "beat": self.beat, "pid": self.pid, "host": self.host, "state": p.state,
                 "detail": p.detail, "blames": list(p.blames)}
+
+    def _current_line(self) -> str:
+        """The line the training thread is on now (a stalled rank: where it is stuck).
+
+        Read from a ``faulthandler`` dump, which walks the threads' frames in C while holding
+        the GIL: walking them in Python (``sys._current_frames()``) races with the training
+        thread popping its frames and can crash CPython 3.11.
+        """
+        if self._stop.is_set() or self._dump is None:  # the last record, as the rank leaves
+            return ""
+        try:
+            self._dump.seek(0)
+            self._dump.truncate()
+            faulthandler.dump_traceback(self._dump, all_threads=True)
+            self._dump.seek(0)
+            return thread_line(self._dump.read(), self.thread_id)
+        except Exception:  # no temporary folder, a closed file: the phase's line will do
+            return ""
 
     def publish(self, store: Store | None = None) -> None:
         """Write the record now (never raises: a lost store only loses the information)."""
@@ -139,9 +199,14 @@ class Heartbeat:
             (store or self._own).set(self.key, json.dumps(self.record()))
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self.publish()
-            self._stop.wait(INTERVAL_S)
+        with contextlib.ExitStack() as files:
+            with contextlib.suppress(OSError):  # none: the records give the phase's line
+                self._dump = files.enter_context(tempfile.TemporaryFile(mode="w+"))
+            while not self._stop.is_set():
+                self.publish()
+                self._stop.wait(INTERVAL_S)
+            with self._lock:
+                self._dump = None
 
     def stop(self) -> None:
         self._stop.set()

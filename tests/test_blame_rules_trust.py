@@ -117,3 +117,24 @@ def test_the_line_shown_is_the_users_not_the_standard_librarys():
 
     caller()
     assert seen == [f"test_blame_rules_trust.py:{caller.__code__.co_firstlineno + 1} in caller"]
+
+
+def test_the_stalled_line_is_read_from_a_faulthandler_dump_of_that_thread_alone(tmp_path):
+    """The heartbeat reads the training thread's line from faulthandler's dump (taken in C,
+    under the GIL), never by walking a running thread's frames from Python, which crashed
+    CPython 3.11 in a spawned rank (SIGSEGV in the heartbeat thread)."""
+    import faulthandler
+    import threading
+
+    from accel_ctx._progress import thread_line
+
+    def stuck_here(path):
+        with open(path, "w+") as f:
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            return f.read()
+
+    dump = stuck_here(tmp_path / "dump")
+    line = thread_line(dump, threading.get_ident())
+    assert line.startswith("test_blame_rules_trust.py:") and line.endswith("in stuck_here")
+    assert thread_line(dump, 12345) == ""  # another thread's id: nothing of ours

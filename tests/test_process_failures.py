@@ -108,3 +108,14 @@ def test_debug_mode_reports_ranks_in_different_calls(ranks):
 def test_debug_mode_lets_fitting_calls_through(ranks):
     _, results = ranks
     assert all(outcome[0] == "ok" for outcome in _outcomes(results, "debug_ok"))
+
+
+def test_a_rank_whose_process_dies_ends_the_others_wait_at_once_naming_it(tmp_path):
+    import pickle
+
+    results = spawn(failures.dead_peer, 3, tmp_path, timeout=120, expect_failure=True)
+    assert results[2] == "no result"  # it died
+    for payload in results[:2]:
+        kind, message, seconds = pickle.loads(payload)
+        assert kind == "DistributedError" and "rank 2 died" in message, message
+        assert seconds < 15  # not the 60 s timeout

@@ -138,3 +138,12 @@ SCENARIOS = {
 
 def run_all() -> dict[str, Any]:
     return {name: _attempt(scenario) for name, scenario in SCENARIOS.items()}
+
+
+def dead_peer() -> tuple[str, str, float]:
+    """Rank 2's process dies without a word; the others wait for it at a sync point."""
+    with distributed(timeout=60):
+        if state().rank == 2:
+            time.sleep(1.5)  # its heartbeat has published where it is
+            os._exit(3)
+        return _attempt(wait_for_everyone)
