@@ -14,6 +14,7 @@ route its plain calls to PyTorch's engines.
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import torch.nn.functional as F
@@ -45,27 +46,45 @@ class Net(nn.Module):
         return self.layers(x)
 
 
-@on_main_process
-def report(epoch: int, loss: float, accuracy: float) -> None:
+def _setup() -> str:
     s = state()
     precision = "fp32" if s.mixed_precision == "no" else s.mixed_precision
-    print(f"epoch {epoch}: loss {loss:.4f}  accuracy {accuracy:.3f}  "
-          f"({s.world_size} process{'es' if s.world_size > 1 else ''} on {s.device.type}) "
-          f"in {precision}")
+    return (f"{s.world_size} process{'es' if s.world_size > 1 else ''} on "
+            f"{s.device.type}, {precision}")
+
+
+@on_main_process
+def announce(epochs: int, batches: int) -> None:
+    print(f"training: {_setup()}; {epochs} epochs of {batches} batches per process")
+
+
+@on_main_process
+def report(epoch: int, loss: float, accuracy: float) -> None:
+    print(f"epoch {epoch}: loss {loss:.4f}  accuracy {accuracy:.3f}  ({_setup()})")
+
+
+@on_main_process
+def summary(accuracy: float, seconds: float) -> None:
+    verdict = "OK" if accuracy >= 0.9 else "lower than expected (try more --epochs)"
+    print(f"done in {seconds:.1f} s: final accuracy {accuracy:.3f} on the spirals: {verdict}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--epochs", type=int, default=5)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--precision", default=None, choices=["no", "bf16", "fp16"],
                         help="default: the launcher's --mixed-precision, else no")
     args = parser.parse_args()
 
     torch.manual_seed(0)
+    start = time.monotonic()
     with distributed(), mixed_precision(args.precision):
         model = Net()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = DataLoader(make_dataset(), batch_size=64, shuffle=True)
+        announce(args.epochs, len(loader))
+        accuracy = 0.0
         for epoch in range(args.epochs):
             sums = torch.zeros(3)  # loss, correct, samples of this rank
             for x, y in loader:
@@ -76,7 +95,9 @@ def main() -> None:
                 opt.zero_grad()
                 sums += torch.tensor([loss.item() * len(y), (out.argmax(-1) == y).sum().item(), len(y)])
             total, correct, seen = reduce(sums).tolist()  # summed over all ranks
-            report(epoch, total / seen, correct / seen)
+            accuracy = correct / seen
+            report(epoch, total / seen, accuracy)
+        summary(accuracy, time.monotonic() - start)
 
 
 if __name__ == "__main__":

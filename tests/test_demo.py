@@ -24,4 +24,6 @@ def test_main_demo_trains_on_two_processes():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]
     assert len(lines) == 2  # printed by rank 0 only
-    assert all("(2 processes on cpu)" in line for line in lines)
+    assert all("(2 processes on cpu, fp32)" in line for line in lines)
+    assert out.stdout.splitlines()[0].startswith("training: 2 processes on cpu, fp32; 2 epochs")
+    assert out.stdout.splitlines()[-1].startswith("done in ")  # the summary, once

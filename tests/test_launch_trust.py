@@ -57,7 +57,7 @@ def test_the_demo_follows_the_launchers_precision_and_a_conflict_is_said_once(tm
     assert finish(proc, 180) == 0, log.read_text()[-3000:]
     text = log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
-    assert len(epochs) == 1 and epochs[0].endswith("(2 processes on cpu) in bf16"), text
+    assert len(epochs) == 1 and epochs[0].endswith("(2 processes on cpu, bf16)"), text
     assert "overrides" not in text
 
     proc, log = start(["-n", "2", "--mixed-precision", "bf16", *demo, "--precision", "no"],
@@ -65,6 +65,6 @@ def test_the_demo_follows_the_launchers_precision_and_a_conflict_is_said_once(tm
     assert finish(proc, 180) == 0, log.read_text()[-3000:]
     text = log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
-    assert len(epochs) == 1 and epochs[0].endswith("in fp32"), text  # the explicit one wins
+    assert len(epochs) == 1 and epochs[0].endswith("fp32)"), text  # the explicit one wins
     assert text.count("mixed_precision('no') in the script overrides the launcher's "
                       "--mixed-precision bf16") == 1, text  # said once, by rank 0
