@@ -295,6 +295,39 @@ def test_a_finished_epoch_resumes_with_the_next_one(tmp_path):
     assert load_state(tmp_path).epoch == 1
 
 
+def test_a_checkpoint_saved_before_the_loader_is_iterated_again_keeps_its_position(tmp_path):
+    """A resumed session that saves before iterating (a finished run re-run, an early save)
+    must not write the loader's epoch as 0: the next resume would start the run over."""
+    model = nn.Linear(2, 2)
+
+    def session(stop_after: int | None) -> tuple[int, list[list[int]]]:
+        with distributed():
+            torch.manual_seed(3)
+            loader = DataLoader(_Sized(), batch_size=2, shuffle=True)
+            resumed = load_state(tmp_path, model=model)  # the loader: by order, iterated later
+            if stop_after == 0:
+                save_state(tmp_path, model=model)  # before iterating: position kept as loaded
+                return resumed.epoch, []
+            seen = []
+            for _ in range(resumed.epoch, 3):
+                for b in loader:
+                    seen.append(b.tolist())
+                    if stop_after is not None and len(seen) == stop_after:
+                        save_state(tmp_path, model=model)
+                        return resumed.epoch, seen
+            return resumed.epoch, seen
+
+    with distributed():
+        torch.manual_seed(3)
+        loader = DataLoader(_Sized(), batch_size=2, shuffle=True)
+        full = [b.tolist() for _ in range(3) for b in loader]
+    _, first = session(len(full) // 2)
+    epoch, _ = session(0)  # resumed, saved again at once
+    _, rest = session(None)
+    assert epoch == load_state(tmp_path).epoch > 0
+    assert first + rest == full
+
+
 # ---- save_model ----------------------------------------------------------------------------------
 def test_save_model_writes_plain_weights_loadable_without_accel_ctx(tmp_path):
     with distributed():

@@ -121,6 +121,8 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
     written = writer.written(tmp)
     positions = [_position.position(loader, name, [g[1][i] for g in gathered])
                  for i, (name, loader) in enumerate(loaders)]
+    pending = owned.still_pending(stack)
+    positions += [entry for entry, _ in pending]
     epoch = _position.next_epoch(positions[0]) if positions else 0
     info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
     error: BaseException | None = None
@@ -128,7 +130,8 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
     try:
         written[mine] = files.save_torch(tmp / mine, {
             "rng": rng.capture(),
-            "generators": [_position.generator_state(loader) for _, loader in loaders],
+            "generators": [*(_position.generator_state(loader) for _, loader in loaders),
+                           *(generator for _, generator in pending)],
             "grads": _partial_grads(counters, stateful),
         })
         if rank == 0:

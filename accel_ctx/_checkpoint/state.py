@@ -96,6 +96,15 @@ def loaders_to_save(
     return out
 
 
+def still_pending(stack: _state.Stack | None) -> list[tuple[dict[str, Any], Any]]:
+    """Positions a resumed session has not applied yet: a checkpoint saved before those loaders
+    were iterated again keeps them as they were, not as if the run had started afresh."""
+    if stack is None:
+        return []
+    return [entry for hook in stack.session.loader_hooks if isinstance(hook, PendingLoaders)
+            for entry in hook.waiting()]
+
+
 class PendingLoaders:
     """Positions of loaders saved by order: applied to the next loaders iterated first here."""
 
@@ -104,6 +113,10 @@ class PendingLoaders:
         self._session = session
         self._entries = entries
         self._named = weakref.WeakSet(named)
+
+    def waiting(self) -> list[tuple[dict[str, Any], Any]]:
+        """The positions not applied yet (loaders this session has not iterated)."""
+        return list(self._entries)
 
     def install(self) -> None:
         hooks = self._session.loader_hooks
