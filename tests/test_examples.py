@@ -1,0 +1,57 @@
+"""Every example runs: a few steps each, as a user would start it (the main demo: test_demo)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _run(*args: str, cwd: Path) -> str:
+    out = subprocess.run([*args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def _python(example: str, *args: str, cwd: Path) -> str:
+    return _run(sys.executable, str(ROOT / "examples" / example), *args, cwd=cwd)
+
+
+def test_basic_net_is_the_seed_tutorials_loop_with_one_line(tmp_path):
+    assert "done: 3 steps" in _python("basic_net.py", "--steps", "3", cwd=tmp_path)
+    assert (ROOT / "examples" / "basic_net.py").read_text().count("    with distributed():") == 1
+
+
+def test_gan_trains_two_models(tmp_path):
+    assert "done: 3 steps" in _python("gan.py", "--steps", "3", "--precision", "bf16",
+                                      cwd=tmp_path)
+
+
+def test_nanogpt_stops_and_resumes_from_its_checkpoint(tmp_path):
+    first = _python("nanogpt.py", "--out", "run", "--steps", "4", cwd=tmp_path)
+    assert "done: step 4" in first
+    again = _python("nanogpt.py", "--out", "run", "--steps", "6", cwd=tmp_path)
+    assert "resumed from run at step 4" in again and "done: step 6" in again
+    assert any((tmp_path / "run").glob("model.*"))  # save_model's plain weights
+
+
+def test_distributed_evaluation_counts_every_sample_once(tmp_path):
+    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
+    out = _run(launcher, "launch", "-n", "3", str(ROOT / "examples" / "evaluate.py"),
+               cwd=tmp_path)
+    assert "3 process(es) scored 1000 samples: accuracy 1.000" in out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                    reason="transformers is not installed (pip install transformers)")
+def test_hugging_face_model_fine_tunes_from_a_config(tmp_path):
+    out = _python("hf_finetune.py", "--steps", "3", cwd=tmp_path)
+    assert "done: 3 steps, GPT2LMHeadModel, save_pretrained: True" in out
