@@ -1,0 +1,83 @@
+"""Every code block of the documentation runs, or says why it cannot (``<!-- not run: why -->``
+on the line before it). Blocks pulled in from README.md (``--8<-- "README.md:name"``) count too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+INCLUDE = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"\s*$')
+NOT_RUN = re.compile(r"^<!-- not run: (.+\S) -->$")
+
+
+def _expand(path: Path) -> list[tuple[str, int, str]]:
+    """(file, line number, text) of every line, includes expanded."""
+    out = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        match = INCLUDE.match(line)
+        if match is None:
+            out.append((path.name, number, line))
+            continue
+        source = ROOT / match.group(1)
+        lines = list(enumerate(source.read_text().splitlines(), 1))
+        if match.group(2):
+            start = next(i for i, t in lines if t == f"<!-- --8<-- [start:{match.group(2)}] -->")
+            end = next(i for i, t in lines if t == f"<!-- --8<-- [end:{match.group(2)}] -->")
+            lines = lines[start:end - 1]
+        out += [(source.name, n, t) for n, t in lines]
+    return out
+
+
+def _blocks() -> list[dict[str, object]]:
+    blocks = []
+    for page in PAGES:
+        lines = _expand(page)
+        i = 0
+        while i < len(lines):
+            name, number, text = lines[i]
+            if text.startswith("```") and text.strip() != "```":
+                language = text.strip("`").split()[0]
+                previous = next((t for _, _, t in reversed(lines[:i]) if t.strip()), "")
+                reason = NOT_RUN.match(previous.strip())
+                body = []
+                i += 1
+                while not lines[i][2].startswith("```"):
+                    body.append(lines[i][2])
+                    i += 1
+                blocks.append({"where": f"{page.name} ({name}:{number})", "language": language,
+                               "reason": reason.group(1) if reason else None,
+                               "code": "\n".join(body)})
+            i += 1
+    return blocks
+
+
+def test_every_block_runs_or_says_why_not():
+    unmarked = [b["where"] for b in _blocks() if b["language"] != "python" and not b["reason"]]
+    assert not unmarked, f"blocks neither runnable Python nor marked <!-- not run: why -->: {unmarked}"
+
+
+def test_the_runnable_blocks_run(tmp_path):
+    runnable = [b for b in _blocks() if b["language"] == "python" and not b["reason"]]
+    assert len(runnable) >= 8
+    script = (
+        "import json, sys, traceback\n"
+        "failed = []\n"
+        "for block in json.load(open(sys.argv[1])):\n"
+        "    try:\n"
+        "        exec(compile(block['code'], block['where'], 'exec'), {'__name__': '__main__'})\n"
+        "    except BaseException:\n"
+        "        failed.append(block['where'] + '\\n' + traceback.format_exc())\n"
+        "print('\\n\\n'.join(failed))\n"
+        "sys.exit(1 if failed else 0)\n"
+    )
+    (tmp_path / "blocks.json").write_text(json.dumps(runnable))
+    (tmp_path / "run.py").write_text(script)
+    out = subprocess.run([sys.executable, "run.py", "blocks.json"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
