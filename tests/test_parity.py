@@ -331,3 +331,23 @@ def test_torchdatas_stateful_dataloader_resumes_through_loader_state():
     fresh = stateful.StatefulDataLoader(list(range(10)), batch_size=2)
     load_loader_state(fresh, saved)
     assert [b.tolist() for b in fresh] == [[2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_split_of_a_hugging_face_style_dataset_uses_its_select():
+    from accel_ctx import _evaluation
+
+    class Table:  # what datasets.Dataset offers: len, indexing, select(indices) -> Dataset
+        def __init__(self, rows):
+            self.rows = rows
+
+        def __len__(self):
+            return len(self.rows)
+
+        def __getitem__(self, i):
+            return self.rows[i]
+
+        def select(self, indices):
+            return Table([self.rows[i] for i in indices])
+
+    part = _evaluation._split(Table(list("abcdefg")), 3, 2, True)
+    assert isinstance(part, Table) and part.rows == ["g", "g", "g"]  # padded with the last
