@@ -66,6 +66,7 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
         return ran_out
     store, prefix = store_and_prefix(job)
     label = f"find_executable_batch_size() at batch size {size}"
+    mine = job.progress.position()  # where this rank stopped: a rank past it waits for it
     job.progress.enter(label)
     base = f"{prefix}/batch_size/{call}/{attempt}"
     store.set(f"{base}/{job.rank}", "oom" if ran_out else "ok")
@@ -73,7 +74,7 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
     deadline = time.monotonic() + job.options.timeout.total_seconds()
     while not store.check(keys):
         if ran_out:
-            _refuse_if_waited_for(job, store, prefix, keys, size, why)
+            _refuse_if_waited_for(job, store, prefix, keys, size, why, mine)
         if time.monotonic() > deadline:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
             raise DistributedError(
@@ -85,14 +86,18 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
 
 
 def _refuse_if_waited_for(job: Any, store: Any, prefix: str, keys: list[str], size: int,
-                          why: str) -> None:
-    """A rank that went on into a collective waits for this one, which cannot join it: the
-    attempt cannot be retried together, so fail now (the others then fail fast, naming this
-    rank) rather than at the collective's timeout."""
+                          why: str, mine: tuple[int, int]) -> None:
+    """A rank that went on, past where this one stopped, into a collective waits for this
+    one, which cannot join it: the attempt cannot be retried together, so fail now (the
+    others then fail fast, naming this rank) rather than at the collective's timeout. A
+    record at this rank's own position is one this rank took part in (a heartbeat lags)."""
     records = read_progress(store, prefix, job.world_size)
     for rank, key in enumerate(keys):
-        phase = str(records.get(rank, {}).get("phase", ""))
-        if store.check([key]) or not (phase == BACKWARD or phase.endswith("()")):
+        record = records.get(rank, {})
+        phase = str(record.get("phase", ""))
+        waiting = phase == BACKWARD or (phase.endswith("()") and not phase.startswith("after "))
+        ahead = (int(record.get("step", 0)), int(record.get("seq", 0))) > mine
+        if store.check([key]) or not (waiting and ahead):
             continue
         raise DistributedError(
             f"rank {job.rank} ran out of memory at batch size {size} ({why}) while rank "
