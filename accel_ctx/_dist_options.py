@@ -169,6 +169,14 @@ def _comm_hook(value: Any) -> str | tuple[Any, Any] | None:
                "pair as DDP's register_comm_hook takes, or None.")
 
 
+def check_comm_hook_device(options: DistributedOptions, device: torch.device) -> None:
+    """torch's bf16 hook runs on NCCL (or XPU) only; said before any process group forms."""
+    if options.comm_hook == "bf16" and device.type not in ("cuda", "xpu"):
+        raise ConfigurationError(
+            f"distributed(comm_hook='bf16') cannot run on {device.type}: torch's bf16 hook "
+            "needs CUDA with NCCL 2.10+ (or XPU). Use comm_hook='fp16' here, or run on GPUs.")
+
+
 def parse_options(options: Mapping[str, Any]) -> DistributedOptions:
     """Check every option where it is given; raises ConfigurationError naming option and fix."""
     for name in options:

@@ -15,10 +15,17 @@ from typing_extensions import Unpack
 
 from . import _adopt, _blame, _fsdp, _replicate, _state
 from ._concern import Concern, Engine, ForwardCall, Params
-from ._dist_options import DEFAULT_TIMEOUT, DistributedOptions, Options, check_nested, parse_options
+from ._dist_options import (
+    DEFAULT_TIMEOUT,
+    DistributedOptions,
+    Options,
+    check_comm_hook_device,
+    check_nested,
+    parse_options,
+)
 from ._group import start_job
 from ._job import Job
-from ._precision import precision_from_env
+from ._precision import check_env_policy, precision_from_env
 from ._progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
 from ._scope import Scope
 from ._session import Session
@@ -78,21 +85,18 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
         outer = outer_runtime.job
         check_nested(outer.device, outer.backend, outer.root.options, options)
         plan = plan or outer_runtime.plan
-        _check_comm_hook(plan, outer.device, options, outer.root.options)
+        _check_comm_hook(plan, options, outer.root.options)
+        check_comm_hook_device(options, outer.device)
         return DistributedRuntime(outer.nested(options), plan)
+    _check_comm_hook(plan, options)  # before the group forms: every rank refuses alike
+    check_env_policy()
     job = start_job(options, exits)
-    _check_comm_hook(plan, job.device, options)
     runtime = DistributedRuntime(job, plan)
     default = precision_from_env(job.device, exits)
     return (runtime, default) if default is not None else runtime
 
 
-def _check_comm_hook(plan: _fsdp.ShardingPlan | None, device: torch.device,
-                     *options: DistributedOptions) -> None:
-    if any(o.comm_hook == "bf16" for o in options) and device.type not in ("cuda", "xpu"):
-        raise ConfigurationError(
-            f"distributed(comm_hook='bf16') cannot run on {device.type}: torch's bf16 hook "
-            "needs CUDA with NCCL 2.10+ (or XPU). Use comm_hook='fp16' here, or run on GPUs.")
+def _check_comm_hook(plan: _fsdp.ShardingPlan | None, *options: DistributedOptions) -> None:
     if plan is not None and any(o.comm_hook is not None for o in options):
         raise ConfigurationError(
             "distributed(comm_hook=...) applies to DDP's gradient all-reduce, and sharded() "

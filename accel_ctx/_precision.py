@@ -251,6 +251,14 @@ class PrecisionRuntime(Concern):
         self.flush()
 
 
+def check_env_policy() -> None:
+    """Refuse a bad launcher ``--mixed-precision`` before the process group forms, so every
+    rank raises the same ConfigurationError (not a peer's teardown mid-rendezvous)."""
+    name = os.environ.get(_env.MIXED_PRECISION_VAR)
+    if name:
+        _policy_name(name)
+
+
 def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRuntime | None:
     """The launcher's ``--mixed-precision`` as a default for ``distributed()`` (lowest priority)."""
     name = os.environ.get(_env.MIXED_PRECISION_VAR)
