@@ -172,7 +172,7 @@ class PrecisionRuntime(Concern):
         before the forward that would use it. Forwards of an unchanged model within one step
         share the copies, as within one ``with torch.autocast()``."""
         seen = self._weights.get(module)
-        if seen is None:
+        if seen is None:  # listed once per scope: walking a deep model's modules is not free
             params = list(module.parameters())
             self._weights[module] = [params, sum(p._version for p in params)]
             torch.clear_autocast_cache()
@@ -200,7 +200,6 @@ class PrecisionRuntime(Concern):
         if self.dtype is None or not torch.is_autocast_enabled(device_type):
             return None
         torch.clear_autocast_cache()  # the recipe's autocast ended before its backward
-        self._weights.clear()  # parameters may be replaced by then: listed afresh
         return torch.autocast(device_type, enabled=False)  # backward runs outside autocast
 
     def before_step(self, session: Session) -> None:
@@ -210,6 +209,8 @@ class PrecisionRuntime(Concern):
             self._step_paused = device_type
 
     def after_step(self) -> None:
+        if self.dtype is not None:
+            torch.clear_autocast_cache()  # the weights just changed
         if self._step_paused is not None:
             torch.set_autocast_enabled(self._step_paused, True)
             self._step_paused = None
