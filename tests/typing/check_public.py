@@ -63,3 +63,39 @@ assert_type(gather_for_metrics((torch.ones(2), torch.ones(2))), tuple[torch.Tens
 assert_type(load_state("ckpt"), Resumed)
 assert_type(launch(train_step, nprocs=2, args=(torch.ones(1),)), float)
 save_state("ckpt", model=torch.nn.Linear(1, 1))
+
+# --- cross-rank decisions, batch-size search, progress and metrics (issue 14)
+from collections.abc import Iterator  # noqa: E402
+
+from accel_ctx import (  # noqa: E402
+    all_ranks,
+    any_rank,
+    find_executable_batch_size,
+    log_metrics,
+    progress,
+    synchronize_rng_states,
+)
+
+assert_type(any_rank(torch.tensor(float("nan")).isnan()), bool)
+assert_type(all_ranks(True), bool)
+synchronize_rng_states(["python", "torch"], [torch.Generator()], src=0)
+
+
+@find_executable_batch_size(starting_batch_size=64)
+def fit(batch_size: int, epochs: int, *, lr: float = 0.1) -> float:
+    return batch_size * epochs * lr
+
+
+assert_type(fit(3, lr=0.5), float)
+
+
+def largest(batch_size: int) -> int:
+    return batch_size
+
+
+assert_type(find_executable_batch_size(largest)(), int)
+assert_type(progress([1, 2, 3], desc="epoch 0"), Iterator[int])
+log_metrics({"loss": 0.5, "lr": torch.tensor(0.1)}, step=3, directory="runs")
+assert_type(launch(train_step, 2, (torch.ones(1),), max_restarts=1), float)
+with distributed(comm_hook="fp16"):
+    pass
