@@ -49,7 +49,8 @@ def _deferred(stack: _state.Stack) -> bool:
     return any(defers() for defers in stack.hooks.defers_clipping)
 
 
-def _loss_scale(stack: _state.Stack) -> float:
+def _loss_scale(stack: _state.Stack) -> torch.Tensor | float:
+    """The scale as the device holds it: dividing by it waits for nothing."""
     for concern in stack.concerns:
         scale = concern.loss_scale()
         if scale is not None:
@@ -58,7 +59,8 @@ def _loss_scale(stack: _state.Stack) -> float:
 
 
 def _total_norm(
-    plain: list[torch.Tensor], scaled: list[torch.Tensor], scale: float, norm_type: float,
+    plain: list[torch.Tensor], scaled: list[torch.Tensor], scale: torch.Tensor | float,
+    norm_type: float,
     foreach: bool | None,
 ) -> torch.Tensor:
     norms = []

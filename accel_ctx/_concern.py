@@ -133,15 +133,19 @@ class Concern:
         """False: this step() call is not a step at all (mid accumulation group); not counted."""
         return True
 
-    def skips_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """True: this step is counted but must not change the parameters (fp16 overflow)."""
+    def skips_step(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+        """True: this step is counted but must not change the parameters (fp16 overflow).
+
+        A tensor: the optimizer skips itself on the device when it is nonzero (a fused step
+        given GradScaler's inf flag); the session reads it only when asked.
+        """
         return False
 
     def before_step(self, session: Session) -> None:
         """A step() call was decided (``session.step`` counts it)."""
 
-    def after_step(self) -> None:
-        """The outermost step() call returned."""
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The outermost step() call of ``optimizer`` returned."""
 
     def first_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer is met for the first time in the session."""
@@ -160,8 +164,8 @@ class Concern:
         return None
 
     # ---- the rest --------------------------------------------------------------------------------
-    def loss_scale(self) -> float | None:
-        """The current loss scale, if this concern scales the loss."""
+    def loss_scale(self) -> torch.Tensor | float | None:
+        """The current loss scale, if this concern scales the loss (a tensor: on the device)."""
         return None
 
     def compute_dtype(self) -> torch.dtype | None:
@@ -191,9 +195,9 @@ class Hooks:
     backward_failed: tuple[Callable[[Exception], None], ...]
     after_backward: tuple[Callable[[Session, Params], None], ...]
     allows_step: tuple[Callable[[OptimizerRecord], bool], ...]
-    skips_step: tuple[Callable[[torch.optim.Optimizer], bool], ...]
+    skips_step: tuple[Callable[[torch.optim.Optimizer], bool | torch.Tensor], ...]
     before_step: tuple[Callable[[Session], None], ...]
-    after_step: tuple[Callable[[], None], ...]
+    after_step: tuple[Callable[[torch.optim.Optimizer], None], ...]
     first_optimizer: tuple[Callable[[torch.optim.Optimizer], None], ...]
     allows_zero_grad: tuple[Callable[[], bool], ...]
     defers_clipping: tuple[Callable[[], bool], ...]

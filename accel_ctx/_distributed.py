@@ -175,6 +175,6 @@ class DistributedRuntime(Concern):
         progress.step, progress.seq = session.step, 0
         progress.mark(STEP)
 
-    def after_step(self) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.job.progress.phase = AFTER_STEP
 

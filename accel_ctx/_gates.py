@@ -197,9 +197,14 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
         if session.last_counted_group != session.backward_calls:
             session.last_counted_group = session.backward_calls
             session.step += 1
-        if any(skips(optimizer) for skips in hooks.skips_step):
-            skip = True
-            session.skipped_steps += 1
+        for skips in hooks.skips_step:
+            verdict = skips(optimizer)
+            if isinstance(verdict, torch.Tensor):  # the device decides; read when asked
+                session.skip_later(record, verdict)
+            elif verdict:
+                skip = True
+                session.skipped_steps += 1
+                break
     record.skipping = skip
     for before in hooks.before_step:
         before(session)
@@ -220,7 +225,7 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         if not record.skipping:
             record.real += 1
         for after in stack.hooks.after_step:
-            after()
+            after(optimizer)
 
 
 def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -244,6 +249,8 @@ def schedule_must_wait(session: Session, scheduler: Any) -> bool:
     """Skip when the optimizer was stepped since the last schedule step, but never for real."""
     optimizer = getattr(scheduler, "optimizer", None)
     record = session.optimizers.get(optimizer) if optimizer is not None else None
+    if record is not None:
+        session.read_skips(record)  # a fused fp16 step skipped on the device: learn it now
     now = (record.calls, record.real) if record is not None else (0, 0)
     seen = session.schedulers.get(scheduler)
     session.schedulers[scheduler] = now

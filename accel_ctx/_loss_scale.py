@@ -1,7 +1,9 @@
 """fp16 loss scaling for ``mixed_precision("fp16")``, done by ``torch.amp.GradScaler``.
 
 ``loss.backward()`` scales, ``opt.step()`` unscales, checks for inf/NaN and the step is skipped
-when needed. The scale is updated once per iteration, just before the next scaled backward (or
+when needed. An optimizer whose fused kernel takes GradScaler's scale and inf flag (fused Adam,
+AdamW, SGD) gets them as ``GradScaler.step`` hands them over: it unscales and skips on the
+device, and nothing waits for the device to learn whether the step was skipped. The scale is updated once per iteration, just before the next scaled backward (or
 when the scope ends), so several optimizers stepping on one backward all unscale with the scale
 their gradients were made with. This is the one place a GradScaler is built: at the first
 scaled backward, on the loss's device (a checkpoint's scaler state waits for it).
@@ -9,6 +11,9 @@ scaled backward, on the loss's device (a checkpoint's scaler state waits for it)
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -41,6 +46,8 @@ class LossScaler:
         self._loaded: dict[str, Any] | None = None  # a checkpoint's state, for the next scaler
         # Parameters unscaled before their optimizer was known (id -> the stand-in used).
         self._early: dict[int, _GradGroup] = {}
+        # Optimizers holding the scale and inf flag handed over for their fused step.
+        self._handed: list[torch.optim.Optimizer] = []
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         self.flush()
@@ -130,8 +137,52 @@ class LossScaler:
         found = sum(v.item() for v in state["found_inf_per_device"].values())
         return bool(found)
 
+    def hand_over(self, optimizer: torch.optim.Optimizer) -> torch.Tensor | None:
+        """Give a fused optimizer the scale and inf flag, as ``GradScaler.step`` does.
+
+        Its kernel unscales the gradients it reads (unless they were unscaled for clipping) and
+        leaves the parameters alone when the flag is set. Returns the flag (nonzero: the step is
+        skipped), still on the device; None when ``optimizer`` takes no such hand-over.
+        """
+        if not _takes_scale(optimizer):
+            return None
+        state = self._optimizer_state(optimizer)
+        if state is None:
+            return None
+        assert self.scaler is not None
+        if state["stage"] is OptState.READY:
+            if self._early and self._owns_early(optimizer):
+                self._unscale_rest(optimizer, state)
+            else:
+                self.scaler._check_inf_per_device(optimizer)  # the check alone, no unscaling
+        scale = self.scaler._get_scale_async()
+        assert scale is not None
+        found_inf = cast(torch.Tensor, sum(
+            t.to(scale.device, non_blocking=True) for t in state["found_inf_per_device"].values()))
+        # The same arithmetic as GradScaler.step, so the update is bit for bit the recipe's.
+        held: Any = optimizer
+        held.grad_scale = (getattr(optimizer, "grad_scale", None)
+                           if state["stage"] is OptState.UNSCALED
+                           else scale * getattr(optimizer, "grad_scale", 1))
+        held.found_inf = found_inf
+        self._handed.append(optimizer)
+        self.pending_update = True
+        return found_inf
+
+    def take_back(self, optimizer: torch.optim.Optimizer) -> None:
+        """The fused step returned: the optimizer keeps no scale or flag (GradScaler.step's end)."""
+        if optimizer in self._handed:
+            self._handed.remove(optimizer)
+            state = self._optimizer_state(optimizer)
+            if state is not None:
+                state["stage"] = OptState.STEPPED
+            _drop_handed(optimizer)
+
     def flush(self) -> None:
         """Apply the pending scale update (once per iteration, after every optimizer stepped)."""
+        for optimizer in self._handed:  # a fused step that raised: it must not keep the flag
+            _drop_handed(optimizer)
+        self._handed.clear()
         if self.pending_update and self.scaler is not None:
             self.pending_update = False
             self.scaler.update()
@@ -155,10 +206,15 @@ class LossScaler:
             unscaled.update(id(p) for p in unknown)
         plain = [p.grad for p in params if p.grad is not None and id(p) in unscaled]
         scaled = [p.grad for p in params if p.grad is not None and id(p) not in unscaled]
-        return plain, scaled, float(self.scaler.get_scale())
+        # reading the scale waits for the device: only when some gradients are still scaled
+        return plain, scaled, float(self.scaler.get_scale()) if scaled else 1.0
 
-    def current_scale(self) -> float:
+    def current_scale(self) -> torch.Tensor | float:
+        """The scale; a copy of the device's while a scaler runs (reading it is a host sync)."""
         if self.scaler is not None:
+            scale = self.scaler._get_scale_async()
+            if scale is not None:
+                return scale.detach().clone().reshape(())
             return float(self.scaler.get_scale())
         if self._loaded is not None:
             return float(self._loaded["scale"])
@@ -179,3 +235,20 @@ class LossScaler:
             self.scaler.load_state_dict(state)
         else:
             self._loaded = dict(state)
+
+
+def _takes_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """A fused optimizer taking ``grad_scale``/``found_inf`` attributes (GradScaler's contract)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not _wants_scaler(
+        type(optimizer).step)
+
+
+@functools.cache
+def _wants_scaler(step: Callable[..., Any]) -> bool:
+    """An older custom optimizer whose step() takes a ``grad_scaler`` argument: the unfused way."""
+    return "grad_scaler" in inspect.signature(step).parameters
+
+
+def _drop_handed(optimizer: torch.optim.Optimizer) -> None:
+    for name in ("grad_scale", "found_inf"):
+        optimizer.__dict__.pop(name, None)

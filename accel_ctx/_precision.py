@@ -131,7 +131,6 @@ class PrecisionRuntime(Concern):
         self.device_type = device_type
         self.scaling = (LossScaler(policy.init_scale, policy.growth_interval)
                         if self.dtype == torch.float16 else None)
-        self.skipped_steps = 0
         self._step_paused: str | None = None  # the autocast switched off for a step()
         # per top-level module: its parameters and the sum of their versions at its last forward
         self._weights: weakref.WeakKeyDictionary[nn.Module, list[Any]] = (
@@ -208,7 +207,9 @@ class PrecisionRuntime(Concern):
             torch.set_autocast_enabled(device_type, False)  # steps run outside autocast
             self._step_paused = device_type
 
-    def after_step(self) -> None:
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaling is not None:
+            self.scaling.take_back(optimizer)
         if self.dtype is not None:
             torch.clear_autocast_cache()  # the weights just changed
         if self._step_paused is not None:
@@ -219,11 +220,11 @@ class PrecisionRuntime(Concern):
     def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
         return self.scaling.scale(loss) if self.scaling is not None else loss
 
-    def skips_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        if self.scaling is None or not self.scaling.must_skip(optimizer):
+    def skips_step(self, optimizer: torch.optim.Optimizer) -> bool | torch.Tensor:
+        if self.scaling is None:
             return False
-        self.skipped_steps += 1
-        return True
+        flag = self.scaling.hand_over(optimizer)  # a fused step skips itself: no host sync
+        return flag if flag is not None else self.scaling.must_skip(optimizer)
 
     def grads_for_clipping(self, session: Session, params: list[torch.Tensor]) -> Grads | None:
         return self.scaling.grads(session, params) if self.scaling is not None else None
@@ -233,7 +234,7 @@ class PrecisionRuntime(Concern):
         if self.scaling is not None:
             self.scaling.flush()
 
-    def loss_scale(self) -> float | None:
+    def loss_scale(self) -> torch.Tensor | float | None:
         return self.scaling.current_scale() if self.scaling is not None else None
 
     def compute_dtype(self) -> torch.dtype | None:
@@ -241,10 +242,9 @@ class PrecisionRuntime(Concern):
 
     def state_dict(self) -> dict[str, Any]:
         scaler = self.scaling.state_dict() if self.scaling is not None else None
-        return {"policy": self.policy.name, "scaler": scaler, "skipped_steps": self.skipped_steps}
+        return {"policy": self.policy.name, "scaler": scaler}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.skipped_steps = int(state["skipped_steps"])
         if self.scaling is not None:
             self.scaling.load_state_dict(state["scaler"])
 
@@ -290,7 +290,9 @@ class mixed_precision(Scope):
     casts every forward's outputs, ``output_dtype=None`` none. With ``"fp16"``, ``loss.backward()`` scales the loss with a
     ``torch.amp.GradScaler``, ``opt.step()`` unscales, skips the step on inf/NaN gradients
     (``state().skipped_steps`` counts them) and the scale adapts; LR schedulers advance only
-    with real steps. ``None`` takes the launcher's ``--mixed-precision`` (default ``"no"``).
+    with real steps. A fused optimizer (``fused=True``) gets the scale and the inf flag as
+    ``GradScaler.step`` hands them over and skips on the device: nothing waits for the device
+    until a scheduler steps or the count is read. ``None`` takes the launcher's ``--mixed-precision`` (default ``"no"``).
     Works with or without ``distributed()``; nested, the innermost policy wins.
 
     Example:

@@ -16,7 +16,8 @@ import torch
 class OptimizerRecord:
     """Per-optimizer counters: calls of ``step()``, real steps, and re-entrancy depth."""
 
-    __slots__ = ("__weakref__", "calls", "depth", "depth_mark", "last_group", "real", "skipping")
+    __slots__ = ("__weakref__", "calls", "depth", "depth_mark", "last_group", "real", "skipping",
+                 "unread")
 
     def __init__(self) -> None:
         self.calls = 0  # step() calls seen in a scope
@@ -25,6 +26,8 @@ class OptimizerRecord:
         self.depth_mark = -1  # backward count when the outer step() began
         self.last_group = -1  # accumulation group of the last allowed step
         self.skipping = False
+        # Steps the device may have skipped (fused fp16 steps), counted in ``real`` until read.
+        self.unread: torch.Tensor | None = None
 
 
 class UnevenRound(Protocol):
@@ -58,7 +61,8 @@ class Session:
     def __init__(self) -> None:
         self.backward_calls = 0
         self.step = 0  # optimizer steps taken (skipped fp16 steps included)
-        self.skipped_steps = 0
+        self.skipped_steps = 0  # known so far: see read_skips
+        self._unread: weakref.WeakSet[OptimizerRecord] = weakref.WeakSet()
         self.last_counted_group = -1  # backward count at the last counted step
         self.optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerRecord] = (
             weakref.WeakKeyDictionary()
@@ -71,6 +75,36 @@ class Session:
         # each first iteration (a checkpoint's positions for loaders it knows by that order).
         self.loader_order: list[weakref.ref[Any]] = []
         self.loader_hooks: list[LoaderHook] = []
+
+    def skip_later(self, record: OptimizerRecord, flag: torch.Tensor) -> None:
+        """A step the device skips if ``flag`` is nonzero; counted as real until read.
+
+        The flags add up on the device (one small kernel per step), so knowing costs one host
+        sync when a count is read, never one per step.
+        """
+        skipped = flag.reshape(()).gt(0)
+        record.unread = skipped.long() if record.unread is None else record.unread + skipped
+        self._unread.add(record)
+
+    def read_skips(self, record: OptimizerRecord | None = None) -> None:
+        """Bring the device's skip flags into ``skipped_steps`` and ``real`` (waits for it)."""
+        for each in [record] if record is not None else list(self._unread):
+            if each.unread is not None:
+                skipped = int(each.unread.item())
+                each.unread = None
+                each.real -= skipped
+                self.skipped_steps += skipped
+            self._unread.discard(each)
+
+    def unread_counts(self) -> list[torch.Tensor]:
+        """The device's skip counts not read yet (each optimizer's, as they stand now)."""
+        return [each.unread for each in self._unread if each.unread is not None]
+
+    def forget_unread(self) -> None:
+        """Counters are being replaced (a checkpoint loads): the unread flags count for nothing."""
+        for each in list(self._unread):
+            each.unread = None
+        self._unread = weakref.WeakSet()
 
     def first_iteration(self, loader: Any, record: Any) -> None:
         """Note ``loader`` when it is iterated for the first time in this session."""

@@ -10,6 +10,27 @@ import torch
 from . import _state
 from ._accumulate import AccumulateRuntime
 from ._precision import PrecisionRuntime
+from ._session import Session
+
+
+class _DeviceCounts:
+    """What a snapshot knows of values the device holds, read only when asked (a host sync)."""
+
+    def __init__(self, session: Session, precision: PrecisionRuntime | None) -> None:
+        self._session = session
+        # the scale as it is now (a copy: the scaler updates its own in place)
+        self._scale = precision.loss_scale() if precision is not None else None
+        self._known = session.skipped_steps
+        self._unread = session.unread_counts()
+        self._read: int | None = None
+
+    def loss_scale(self) -> float | None:
+        return None if self._scale is None else float(self._scale)
+
+    def skipped_steps(self) -> int:
+        if self._read is None:
+            self._read = self._known + sum(int(n.item()) for n in self._unread)
+        return self._read
 
 
 @dataclass(frozen=True)
@@ -36,10 +57,6 @@ class State:
     """Inside a ``distributed()`` scope."""
     mixed_precision: str = "no"
     """The active precision policy: 'bf16', 'fp16' or 'no'."""
-    loss_scale: float | None = None
-    """fp16: the current loss scale (updated before the next backward)."""
-    skipped_steps: int = 0
-    """fp16: optimizer steps skipped because of inf/NaN gradients."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     sync_gradients: bool = True
@@ -52,6 +69,23 @@ class State:
     """0-based index, in this rank's share of the epoch, of the batch ``loader`` handed out last."""
     end_of_loader: bool = False
     """That batch is the last of ``loader``'s epoch on this rank (log, step a scheduler...)."""
+    _device_counts: _DeviceCounts | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16: the loss scale when the snapshot was taken (updated before the next backward).
+
+        Lives on the device: reading it waits for the device, taking the snapshot does not.
+        """
+        return self._device_counts.loss_scale() if self._device_counts is not None else None
+
+    @property
+    def skipped_steps(self) -> int:
+        """fp16: optimizer steps skipped because of inf/NaN gradients.
+
+        A fused optimizer skips on the device: reading the count waits for it.
+        """
+        return self._device_counts.skipped_steps() if self._device_counts is not None else 0
 
     @property
     def is_main_process(self) -> bool:
@@ -87,7 +121,7 @@ def state() -> State:
     stack = _state.current()
     if stack is None:
         return State()
-    values: dict[str, Any] = {"step": stack.session.step, "skipped_steps": stack.session.skipped_steps}
+    values: dict[str, Any] = {"step": stack.session.step}
     job = stack.job
     if job is not None:
         launch, where = job.launch, job.coordinates
@@ -108,7 +142,8 @@ def state() -> State:
                       end_of_loader=iteration.at_end)
     precision = stack.find(PrecisionRuntime)
     if precision is not None:
-        values.update(mixed_precision=precision.policy.name, loss_scale=precision.loss_scale())
+        values.update(mixed_precision=precision.policy.name)
+    values["_device_counts"] = _DeviceCounts(stack.session, precision)
     accumulation = stack.find(AccumulateRuntime)
     if accumulation is not None:
         values.update(

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from accel_ctx import distributed, mixed_precision
+from accel_ctx import distributed, mixed_precision, state
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 VOCAB, BATCH, WIDTH = 4096, 64, 32
@@ -84,9 +84,18 @@ def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
-def _recipe(policy: str, mode: TorchDispatchMode | TorchFunctionMode) -> dict[str, torch.Tensor]:
+OPTIMIZERS = {
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3),
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+    "sgd-fused": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, fused=True),
+}
+
+
+def _recipe(policy: str, mode: TorchDispatchMode | TorchFunctionMode, optimizer: str = "adamw",
+            clip: bool = False, schedule: bool = False) -> dict[str, torch.Tensor]:
     model = _head()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=policy == "fp16")
     batches = _batches()
     with mode:
@@ -94,24 +103,37 @@ def _recipe(policy: str, mode: TorchDispatchMode | TorchFunctionMode) -> dict[st
             with torch.autocast("cpu", dtype=DTYPES[policy]):
                 loss = F.cross_entropy(model(x)[0], y) + model(x, y)[1]
             scaler.scale(loss).backward()
+            if clip:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(opt)
             scaler.update()
+            if schedule:
+                sched.step()
             opt.zero_grad()
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _scoped(policy: str, mode: TorchDispatchMode | TorchFunctionMode, **options: object
+def _scoped(policy: str, mode: TorchDispatchMode | TorchFunctionMode, optimizer: str = "adamw",
+            clip: bool = False, schedule: bool = False, **options: object
             ) -> dict[str, torch.Tensor]:
     with distributed(), mixed_precision(policy, **options):  # type: ignore[arg-type]
         model = _head()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = OPTIMIZERS[optimizer](model.parameters())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
         batches = _batches()
         with mode:
             for x, y in batches:  # the loss outside the model, and inside it (nanoGPT)
                 loss = F.cross_entropy(model(x)[0], y) + model(x, y)[1]
                 loss.backward()
+                if clip:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
+                if schedule:
+                    sched.step()
                 opt.zero_grad()
+                if state().is_main_process:  # a snapshot per step reads nothing from the device
+                    pass
         return {k: v.clone() for k, v in model.state_dict().items()}
 
 
@@ -132,9 +154,27 @@ def test_a_training_step_allocates_what_the_recipe_allocates(policy):
 
 
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
-def test_no_host_sync_beyond_the_recipes(policy):
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("clip", [False, True], ids=["", "clipped"])
+def test_no_host_sync_beyond_the_recipes(policy, optimizer, clip):
     recipe, ours = Syncs(), Syncs()
-    _recipe(policy, recipe)
-    _scoped(policy, ours)
-    # AdamW reads its step counts (.item() per parameter); fp16 adds GradScaler's one per step
+    expected = _recipe(policy, recipe, optimizer, clip)
+    trained = _scoped(policy, ours, optimizer, clip)
+    assert all(torch.equal(trained[k], expected[k]) for k in expected)
+    # Unfused AdamW reads its step counts (.item() per parameter) and GradScaler the inf flag
+    # once per fp16 step. A fused optimizer takes the scale and the flag on the device: neither
+    # the recipe nor the scope waits for it, with or without clipping.
     assert sorted(ours.calls) == sorted(recipe.calls)
+    if optimizer.endswith("fused"):
+        assert ours.calls == []
+
+
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "sgd-fused"])
+def test_a_scheduler_under_fp16_reads_the_fused_steps_skip_flag_once_per_step(optimizer):
+    recipe, ours = Syncs(), Syncs()
+    _recipe("fp16", recipe, optimizer, schedule=True)
+    _scoped("fp16", ours, optimizer, schedule=True)
+    # The schedule advances only with real steps: learning that costs the one read per step an
+    # unfused GradScaler step makes; the recipe advances the schedule on skipped steps too.
+    assert recipe.calls == []
+    assert ours.calls == ["item"] * len(_batches())

@@ -26,6 +26,7 @@ def capture_counters(stack: _state.Stack | None, named: dict[str, Any]) -> dict[
     if stack is None:
         return {}
     session = stack.session
+    session.read_skips()
     out: dict[str, Any] = {
         "session": (session.step, session.skipped_steps, session.backward_calls,
                     session.last_counted_group),
@@ -53,6 +54,7 @@ def apply_counters(stack: _state.Stack | None, saved: dict[str, Any], named: dic
     if stack is None or not saved:
         return
     session = stack.session
+    session.forget_unread()
     (session.step, session.skipped_steps, session.backward_calls,
      session.last_counted_group) = saved["session"]
     for name, (calls, real, last_group) in saved["optimizers"].items():
