@@ -32,7 +32,7 @@ from ._session import LoaderIteration
 from ._shard import EMPTY as _EMPTY
 from ._shard import ShardedIndices as _ShardedIndices
 from ._shard import ShardPlan
-from ._tree import to_device
+from ._transfer import BatchMover
 
 __all__ = ["ScopedIterator", "ShardPlan", "plan_for", "scoped_iter", "scoped_len"]
 
@@ -254,7 +254,7 @@ class ScopedIterator:
         self._session = stack.session
         self._record = record
         self._device = device if device is not None and device.type != "cpu" else None
-        self._non_blocking = pin_memory and device is not None and device.type == "cuda"
+        self._move = BatchMover(self._device, pin_memory) if self._device is not None else None
         self._length = length
         # even_batches=False: the ranks' last batches differ; every rank ends its accumulation
         # group with the complete rounds, and the incomplete round runs under DDP's Join
@@ -310,8 +310,8 @@ class ScopedIterator:
             self._session.loaders.append(iteration)
             self._registered = True
         self._record.yielded += 1
-        if self._device is not None:
-            batch = to_device(batch, self._device, self._non_blocking)
+        if self._move is not None:  # pinned batches: non-blocking, on a side stream
+            batch = self._move(batch)
         return batch
 
     def _finish(self) -> None:

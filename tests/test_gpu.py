@@ -33,14 +33,22 @@ def test_model_batches_and_optimizer_state_go_to_the_gpu():
         assert model.weight.is_cuda and opt.state[model.weight]["exp_avg"].is_cuda
 
 
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    # fused: GradScaler hands the kernel the scale and the inf flag, by hand and in the scope
+    "adamw-fused": lambda p: torch.optim.AdamW(p, lr=1e-3, fused=True),
+}
+
+
 @pytest.mark.parametrize("policy", ["bf16", "fp16"])
-def test_cuda_autocast_matches_hand_written(policy):
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_cuda_autocast_matches_hand_written(policy, optimizer):
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[policy]
 
     def hand():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3)).cuda()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = OPTIMIZERS[optimizer](model.parameters())
         scaler = torch.amp.GradScaler("cuda", enabled=policy == "fp16")
         for x, y in DataLoader(make_data(), batch_size=16):
             with torch.autocast("cuda", dtype=dtype):  # torch's recipe: the loss inside
@@ -55,7 +63,7 @@ def test_cuda_autocast_matches_hand_written(policy):
         with distributed(), mixed_precision(policy):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 3))
-            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            opt = OPTIMIZERS[optimizer](model.parameters())
             for x, y in DataLoader(make_data(), batch_size=16):
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
@@ -65,6 +73,44 @@ def test_cuda_autocast_matches_hand_written(policy):
     reference, scoped = hand(), ours()
     for k in reference:
         torch.testing.assert_close(scoped[k], reference[k], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+def test_no_host_sync_in_a_scoped_step(policy):
+    """torch raises at any call that waits for the GPU: a step, clipping, state() wait for none."""
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    with distributed(), mixed_precision(policy):
+        batches = iter(DataLoader(make_data(96), batch_size=8, pin_memory=True))
+        for i in range(10):
+            # from the second step on (the first adopts the model, builds the GradScaler)
+            torch.cuda.set_sync_debug_mode("error" if i else "default")
+            try:
+                x, y = next(batches)  # pinned: copied on a side stream
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+                snapshot = state()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        assert x.is_cuda and loss.dtype == torch.float32
+        assert snapshot.skipped_steps >= 0 and snapshot.mixed_precision == policy
+
+
+def test_pinned_batches_copied_on_a_side_stream_arrive_whole():
+    """The step's stream waits for the side stream's copy: a busy GPU never reads a half copy."""
+    data = [(torch.full((256, 256), float(i)), torch.tensor(i)) for i in range(20)]
+    with distributed():
+        busy = torch.randn(4096, 4096, device="cuda")
+        whole = []
+        for x, i in DataLoader(data, batch_size=None, pin_memory=True):
+            busy = busy @ busy  # keeps the compute stream busy while the next copy is queued
+            busy = busy / busy.norm()
+            assert x.is_cuda
+            whole.append((x == i.to(x.device).float()).all())  # read at the end: no sync here
+        assert len(whole) == 20 and bool(torch.stack(whole).all())
 
 
 def test_single_gpu_run_matches_plain_cuda_loop():
