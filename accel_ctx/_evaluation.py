@@ -6,10 +6,10 @@ import copy
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar, cast, overload
 
 import torch
-from torch.utils.data import Subset
+from torch.utils.data import Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _debug, _state
@@ -22,6 +22,7 @@ from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
 
 T = TypeVar("T")
+Item = TypeVar("Item")
 
 
 @collective
@@ -146,13 +147,21 @@ def _drop_last_sample(obj: Any) -> Any:
     return walk(obj)
 
 
-def split_between_processes(items: T, *, pad: bool = False) -> T:
+@overload
+def split_between_processes(items: Dataset[Item], *, pad: bool = False) -> Dataset[Item]: ...
+
+
+@overload
+def split_between_processes(items: T, *, pad: bool = False) -> T: ...
+
+
+def split_between_processes(items: Any, *, pad: bool = False) -> Any:
     """This rank's contiguous part of ``items``: any sequence with ``len()`` and indexing.
 
     Lists, tuples, tensors and arrays (along dim 0) and ranges come back sliced, of their own
     type; a Hugging Face ``datasets.Dataset`` through its ``select()``; any other map-style
-    dataset as a ``torch.utils.data.Subset`` (a view: nothing is loaded); a dict splits each of
-    its values.
+    dataset as a ``torch.utils.data.Subset`` (a view: nothing is loaded; typed as a
+    ``Dataset``, not as your class); a dict splits each of its values.
 
     With ``k = ceil(len(items) / world_size)``, rank ``r`` gets items ``r*k`` to ``(r+1)*k``; the
     last ranks may get fewer, or none. ``pad=True`` gives every rank exactly ``k`` items, the
@@ -178,12 +187,12 @@ def split_between_processes(items: T, *, pad: bool = False) -> T:
             )
         parts = {k: _split(v, world, rank, pad) for k, v in items.items()}
         if type(items) is dict:
-            return parts  # type: ignore[return-value]
-        new = copy.copy(items)
-        new.update(parts)  # type: ignore[attr-defined]
+            return parts
+        new: Any = copy.copy(items)  # a dict subclass (OrderedDict, ...) keeps its type
+        new.update(parts)
         return new
     _length(items, None)
-    return _split(items, world, rank, pad)  # type: ignore[no-any-return]
+    return _split(items, world, rank, pad)
 
 
 def _length(value: Any, key: Any) -> int:

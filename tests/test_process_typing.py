@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset, TensorDataset
 from typing_extensions import assert_type
 
 from accel_ctx import (
@@ -91,4 +92,7 @@ def test_collectives_keep_the_input_type() -> None:
     assert_type(gather_for_metrics([1, 2]), list[int])
     assert_type(gather_object("x"), list[str])
     assert_type(split_between_processes(["a", "b"]), list[str])
+    table = TensorDataset(torch.arange(4))
+    # a map-style dataset comes back as a Subset on several ranks: typed as a Dataset
+    assert_type(split_between_processes(table), Dataset[tuple[torch.Tensor, ...]])
     assert gather(pair) is pair
