@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name 
     from ._checkpoint import Resumed, load_state, save_model, save_state
     from ._clip import clip_grad_norm_, clip_grad_value_
     from ._collectives import gather, gather_object, pad_across_processes, reduce
+    from ._comm_hook import PowerSGD
     from ._decide import all_ranks, any_rank, synchronize_rng_states
     from ._distributed import DistributedOptions, distributed
     from ._evaluation import gather_for_metrics, split_between_processes
@@ -48,6 +49,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name 
 
 __all__ = [
     "DistributedOptions",
+    "PowerSGD",
     "PrecisionPolicy",
     "Resumed",
     "State",
@@ -113,6 +115,7 @@ _HOMES = {
     "gather_object": "_collectives",
     "pad_across_processes": "_collectives",
     "reduce": "_collectives",
+    "PowerSGD": "_comm_hook",
     "all_ranks": "_decide",
     "any_rank": "_decide",
     "synchronize_rng_states": "_decide",

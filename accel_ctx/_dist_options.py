@@ -17,7 +17,8 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
-from . import _env
+from . import _comm_hook, _env
+from ._comm_hook import PowerSGD
 from .errors import ConfigurationError, LaunchEnvironmentError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -54,9 +55,10 @@ class DistributedOptions:
     Join). A loader with ``drop_last=True`` drops the incomplete round either way."""
     debug: bool = False
     """Check collectives' shapes across ranks first (also on with ACCEL_CTX_DEBUG=1)."""
-    comm_hook: str | tuple[Any, Any] | None = None
-    """DDP: compress gradients in the all-reduce with torch's own hook: ``"bf16"``, ``"fp16"``
-    or ``"powersgd"`` (rank 1, torch's defaults), or ``(state, hook)`` for any DDP comm hook;
+    comm_hook: str | PowerSGD | tuple[Any, Any] | None = None
+    """DDP: compress gradients in the all-reduce with torch's own hook: ``"bf16"``, ``"fp16"``,
+    ``"powersgd"`` (torch's defaults) or :class:`PowerSGD` with your settings (a fresh state per
+    model), or ``(state, hook)`` for any DDP comm hook (that one state serves every model);
     registered on every model the scope adopts. Not with ``sharded()``."""
 
 
@@ -73,7 +75,7 @@ class Options(TypedDict, total=False):
     sync_batchnorm: bool
     even_batches: bool
     debug: bool
-    comm_hook: str | tuple[Any, Any] | None
+    comm_hook: str | PowerSGD | tuple[Any, Any] | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
@@ -153,30 +155,6 @@ def _bucket_cap(value: Any) -> float | None:
     return float(value)
 
 
-COMM_HOOKS = ("bf16", "fp16", "powersgd")
-
-
-def _comm_hook(value: Any) -> str | tuple[Any, Any] | None:
-    if value is None:
-        return None
-    if isinstance(value, str) and value.lower() in COMM_HOOKS:
-        return value.lower()
-    if isinstance(value, tuple) and len(value) == 2 and callable(value[1]):
-        return value
-    close = difflib.get_close_matches(str(value).lower(), COMM_HOOKS, n=1)
-    hint = f"did you mean {close[0]!r}? " if close and isinstance(value, str) else ""
-    raise _bad("comm_hook", value, hint + "give 'bf16', 'fp16', 'powersgd', a (state, hook) "
-               "pair as DDP's register_comm_hook takes, or None.")
-
-
-def check_comm_hook_device(options: DistributedOptions, device: torch.device) -> None:
-    """torch's bf16 hook runs on NCCL (or XPU) only; said before any process group forms."""
-    if options.comm_hook == "bf16" and device.type not in ("cuda", "xpu"):
-        raise ConfigurationError(
-            f"distributed(comm_hook='bf16') cannot run on {device.type}: torch's bf16 hook "
-            "needs CUDA with NCCL 2.10+ (or XPU). Use comm_hook='fp16' here, or run on GPUs.")
-
-
 def parse_options(options: Mapping[str, Any]) -> DistributedOptions:
     """Check every option where it is given; raises ConfigurationError naming option and fix."""
     for name in options:
@@ -193,7 +171,7 @@ def parse_options(options: Mapping[str, Any]) -> DistributedOptions:
     values["backend"] = _backend(values.get("backend"))
     values["init_method"] = _init_method(values.get("init_method"))
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
-    values["comm_hook"] = _comm_hook(values.get("comm_hook"))
+    values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
     for flag in _FLAGS:
         if flag in values and not isinstance(values[flag], bool):
             raise _bad(flag, values[flag], "give True or False.")

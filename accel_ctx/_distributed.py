@@ -13,13 +13,12 @@ from contextlib import ExitStack
 import torch
 from typing_extensions import Unpack
 
-from . import _adopt, _blame, _fsdp, _replicate, _state
+from . import _adopt, _blame, _comm_hook, _fsdp, _replicate, _state
 from ._concern import Concern, Engine, ForwardCall, Params
 from ._dist_options import (
     DEFAULT_TIMEOUT,
     DistributedOptions,
     Options,
-    check_comm_hook_device,
     check_nested,
     parse_options,
 )
@@ -86,7 +85,7 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
         check_nested(outer.device, outer.backend, outer.root.options, options)
         plan = plan or outer_runtime.plan
         _check_comm_hook(plan, options, outer.root.options)
-        check_comm_hook_device(options, outer.device)
+        _comm_hook.check_device(options.comm_hook, outer.device)
         return DistributedRuntime(outer.nested(options), plan)
     _check_comm_hook(plan, options)  # before the group forms: every rank refuses alike
     check_env_policy()

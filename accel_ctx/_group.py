@@ -15,13 +15,12 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
-from . import _env, _rendezvous, _state
+from . import _comm_hook, _env, _rendezvous, _state
 from ._adopt import release_all
 from ._barrier import announce_failure, store_and_prefix
 from ._dist_options import (
     DistributedOptions,
     check_backend,
-    check_comm_hook_device,
     pick_backend,
     pick_device,
 )
@@ -38,11 +37,11 @@ def start_job(options: DistributedOptions, exits: ExitStack) -> Job:
         # The user (or a library) already formed the group: use it, leave it to them.
         launch = _launch_from_group(launch)
         device = pick_device(options, launch)
-        check_comm_hook_device(options, device)
+        _comm_hook.check_device(options.comm_hook, device)
         backend = str(dist.get_backend())
     else:
         device = pick_device(options, launch)
-        check_comm_hook_device(options, device)  # a refusal before the group forms
+        _comm_hook.check_device(options.comm_hook, device)  # a refusal before the group forms
         if launch.is_distributed:
             backend = pick_backend(options, device)
             _init_process_group(launch, options, backend, device)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _adopt, _fsdp, _state
+from ._comm_hook import torch_hook
 from ._job import Job
 from ._join import LAST_FORWARD, refuse_forward
 from ._warn import warn_user
@@ -120,22 +121,8 @@ def _ddp(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         **kwargs,
     )
     if opts.comm_hook is not None:
-        ddp.register_comm_hook(*_comm_hook(opts.comm_hook))
+        ddp.register_comm_hook(*torch_hook(opts.comm_hook))
     return ddp
-
-
-def _comm_hook(spec: str | tuple[Any, Any]) -> tuple[Any, Any]:
-    """torch's own hook for a ``comm_hook=`` name: a fresh state per model (PowerSGD keeps
-    per-bucket error feedback in it)."""
-    if isinstance(spec, tuple):
-        return spec
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-
-    if spec == "bf16":
-        return None, default_hooks.bf16_compress_hook
-    if spec == "fp16":
-        return None, default_hooks.fp16_compress_hook
-    return powerSGD_hook.PowerSGDState(process_group=None), powerSGD_hook.powerSGD_hook
 
 
 def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:

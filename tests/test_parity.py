@@ -208,7 +208,7 @@ def _close(a, b, **tol):
 def test_comm_hooks_train_as_hand_written_ddp_with_the_same_hook(ranks):
     _, results, _ = ranks
     for part in _section(results, "hooks"):
-        for spec in ("none", "fp16", "powersgd", "powersgd-now"):
+        for spec in ("none", "fp16", "powersgd", "powersgd-now", "powersgd-rank2"):
             _close(part[spec], part[f"hand_{spec}"], rtol=1e-6, atol=1e-7)
         # within the hook's precision of the uncompressed run, and not the uncompressed run
         _close(part["fp16"], part["none"], rtol=0, atol=2e-3)
@@ -216,6 +216,31 @@ def test_comm_hooks_train_as_hand_written_ddp_with_the_same_hook(ranks):
         assert any(not torch.equal(part["powersgd-now"][k], part["none"][k])
                    for k in part["none"])
         assert "comm_hook='fp16'" in part["bf16_refused"]  # torch's bf16 hook needs NCCL
+
+
+def test_powersgd_settings_give_each_model_its_own_state(ranks):
+    _, results, _ = ranks
+    for part in _section(results, "hooks"):
+        assert any(not torch.equal(part["powersgd-rank2"][k], part["powersgd-now"][k])
+                   for k in part["none"])  # the rank reached torch's hook
+        for scoped, hand in zip(part["two_scoped"], part["two_hand"], strict=True):
+            _close(scoped, hand, rtol=1e-6, atol=1e-7)
+        # one state shared by two models trains otherwise: the scope must not share it
+        pairs = zip(part["two_shared"], part["two_hand"], strict=True)
+        assert any(not torch.equal(a[k], b[k]) for a, b in pairs for k in a)
+
+
+def test_powersgd_settings_are_checked_where_given():
+    from accel_ctx import PowerSGD
+
+    for bad in ({"rank": 0}, {"start_iter": 1.5}, {"min_compression_rate": -1},
+                {"start_iter": 1}):
+        with pytest.raises(ConfigurationError, match="PowerSGD"):
+            PowerSGD(**bad)
+    PowerSGD(start_iter=1, use_error_feedback=False, warm_start=False)  # torch allows it
+    assert distributed(comm_hook=PowerSGD(rank=3)).options.comm_hook == PowerSGD(rank=3)
+    with pytest.raises(ConfigurationError, match=r"PowerSGD\(rank="):
+        distributed(comm_hook=3)
 
 
 def test_comm_hook_is_checked_and_refused_under_sharded():

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.distributed import DistributedSampler
 
 from accel_ctx import (
+    PowerSGD,
     all_ranks,
     any_rank,
     distributed,
@@ -192,6 +193,10 @@ def _hook(spec: Any) -> tuple[Any, Any]:
     if spec == "powersgd-now":  # compressing from the second step on
         return (powerSGD_hook.PowerSGDState(process_group=None, start_powerSGD_iter=2),
                 powerSGD_hook.powerSGD_hook)
+    if spec == "powersgd-rank2":
+        return (powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=2),
+                powerSGD_hook.powerSGD_hook)
     return None, None
 
 
@@ -217,6 +222,34 @@ def _train_hooked(batches: list[Any], spec: Any, scoped: bool) -> dict[str, torc
     return params(model)
 
 
+def _train_two(batches: list[Any], how: str) -> list[dict[str, torch.Tensor]]:
+    """Two models stepped together; ``how``: "scoped", "hand" (a PowerSGD state per model, as
+    the scope must build them) or "shared" (one state for both: what the scope must not do)."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from .common import MLP, params
+
+    models, nets, opts = [], [], []
+    shared = _hook("powersgd-rank2")
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = MLP()
+        net: nn.Module = model
+        if how != "scoped":
+            net = nn.parallel.DistributedDataParallel(model)
+            net.register_comm_hook(*(shared if how == "shared" else _hook("powersgd-rank2")))
+        models.append(model)
+        nets.append(net)
+        opts.append(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    for x, y in batches:
+        for net, opt in zip(nets, opts, strict=True):
+            F.cross_entropy(net(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return [params(m) for m in models]
+
+
 def comm_hooks() -> dict[str, Any]:
     from .common import by_hand, make_data
 
@@ -224,11 +257,16 @@ def comm_hooks() -> dict[str, Any]:
     data = make_data(48)
     mine = list(DataLoader(data, batch_size=4))[rank::world]
     out: dict[str, Any] = {}
-    for spec in ("none", "fp16", "powersgd", "powersgd-now"):  # bf16: CUDA only (torch's rule)
+    options = {"none": None, "powersgd-now": _hook("powersgd-now"),
+               "powersgd-rank2": PowerSGD(rank=2, start_iter=2)}
+    for spec in ("none", "fp16", "powersgd", "powersgd-now", "powersgd-rank2"):  # bf16: CUDA
         out[f"hand_{spec}"] = by_hand(_train_hooked, mine, spec, False)
-        option = None if spec == "none" else (_hook(spec) if spec == "powersgd-now" else spec)
-        with distributed(timeout=TIMEOUT, comm_hook=option):
+        with distributed(timeout=TIMEOUT, comm_hook=options.get(spec, spec)):
             out[spec] = _train_hooked(list(DataLoader(data, batch_size=4)), spec, True)
+    for how in ("hand", "shared"):
+        out[f"two_{how}"] = by_hand(_train_two, mine, how)
+    with distributed(timeout=TIMEOUT, comm_hook=PowerSGD(rank=2, start_iter=2)):
+        out["two_scoped"] = _train_two(list(DataLoader(data, batch_size=4)), "scoped")
     try:
         with distributed(timeout=TIMEOUT, comm_hook="bf16"):
             pass
