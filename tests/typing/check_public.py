@@ -97,5 +97,7 @@ assert_type(find_executable_batch_size(largest)(), int)
 assert_type(progress([1, 2, 3], desc="epoch 0"), Iterator[int])
 log_metrics({"loss": 0.5, "lr": torch.tensor(0.1)}, step=3, directory="runs")
 assert_type(launch(train_step, 2, (torch.ones(1),), max_restarts=1), float)
-with distributed(comm_hook="fp16"):
+from accel_ctx import PowerSGD  # noqa: E402
+
+with distributed(comm_hook="fp16"), distributed(comm_hook=PowerSGD(rank=2, batched=True)):
     pass
