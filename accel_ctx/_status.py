@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -101,6 +101,11 @@ class State:
     def is_last_process(self) -> bool:
         """The highest rank of the job."""
         return self.rank == self.world_size - 1
+
+    def __repr__(self) -> str:
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr]
+        shown += [f"loss_scale={self.loss_scale!r}", f"skipped_steps={self.skipped_steps!r}"]
+        return f"State({', '.join(shown)})"
 
 
 def state() -> State:

@@ -167,6 +167,24 @@ def test_inf_gradient_skips_exactly_that_step(optimizer):
     assert lrs[1] == lrs[2]
 
 
+def test_state_snapshots_keep_the_scale_and_skips_of_their_moment():
+    torch.manual_seed(0)
+    model = MLP()
+    model.net[0].weight.register_hook(InfAt({3}))
+    opt = OPTIMIZERS["adam-fused"](model.parameters())  # skips on the device: read when asked
+    snapshots = []
+    with mixed_precision("fp16", init_scale=1024.0):
+        for x, y in DataLoader(make_data(), batch_size=16):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            snapshots.append(state())  # read only after the loop
+    assert [s.skipped_steps for s in snapshots] == [0, 0, 1, 1, 1, 1]
+    # the scale halves at the backward after the skip; each snapshot keeps its own
+    assert [s.loss_scale for s in snapshots] == [1024.0] * 3 + [512.0] * 3
+    assert "skipped_steps=1" in repr(snapshots[-1])
+
+
 def test_several_optimizers_and_losses_per_step():
     def run(scoped):
         torch.manual_seed(0)
