@@ -71,7 +71,7 @@ def worker(side: str, args: argparse.Namespace) -> dict[str, Any]:
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     loader = _loader(cfg, args.batch, args.warmup + args.steps, cuda)
-    fused = {"fused": True} if cuda else {}
+    fused = {"fused": True}  # GradScaler hands fused kernels its scale (CUDA and CPU alike)
 
     if side in ("hand", "hand_again"):
         model = make_gpt(cfg).to(device)

@@ -117,7 +117,7 @@ def two_ranks(tmp_path_factory):
     return spawn(precision.run_all, 2, tmp_path_factory.mktemp("prec"))
 
 
-@pytest.mark.parametrize("policy", ["bf16", "fp16"])
+@pytest.mark.parametrize("policy", precision.RUNS)
 def test_two_ranks_match_hand_written_ddp_with_autocast(two_ranks, policy):
     for rank in two_ranks:
         r = rank[policy]
@@ -125,7 +125,7 @@ def test_two_ranks_match_hand_written_ddp_with_autocast(two_ranks, policy):
         for a, b in zip(r["hand"], r["scoped"], strict=True):
             for k in a:
                 torch.testing.assert_close(b[k], a[k], rtol=0, atol=0)
-        if policy == "fp16":
+        if policy.startswith("fp16"):
             assert r["scale"] == r["hand_scale"]
 
 
