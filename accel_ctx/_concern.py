@@ -55,6 +55,18 @@ class ForwardCall:
         self.device_type: str | None = None  # the job's device type, if a job placed it
 
 
+class LossScaling(Protocol):
+    """A scope's fp16 loss scaling, as a user's own GradScaler defers to it."""
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Unscale ``optimizer``'s gradients once per step; False if nothing is scaled."""
+        ...
+
+    def current_scale(self) -> torch.Tensor | float:
+        """The scale (a tensor: on the device)."""
+        ...
+
+
 Params = Callable[[], list[torch.Tensor]]
 """The parameters in play in the scope (optimizers' and adopted models'), computed on demand."""
 
@@ -164,6 +176,10 @@ class Concern:
         return None
 
     # ---- the rest --------------------------------------------------------------------------------
+    def loss_scaling(self) -> LossScaling | None:
+        """The fp16 loss scaling this concern runs, which a user's own GradScaler defers to."""
+        return None
+
     def loss_scale(self) -> torch.Tensor | float | None:
         """The current loss scale, if this concern scales the loss (a tensor: on the device)."""
         return None

@@ -21,6 +21,9 @@ from torch.amp.grad_scaler import OptState
 
 from ._session import Session
 
+OWN_SCALER = "_accel_ctx_scaler"
+"""Marks the GradScaler a scope runs, which the GradScaler patches leave alone."""
+
 
 class _GradGroup:
     """Parameters posing as an optimizer for ``GradScaler.unscale_`` (it reads param_groups).
@@ -56,6 +59,7 @@ class LossScaler:
             self.scaler = torch.amp.GradScaler(
                 loss.device.type, init_scale=self.init_scale,
                 growth_interval=self.growth_interval)
+            self.scaler.__dict__[OWN_SCALER] = True  # a user's GradScaler defers; ours does not
             if self._loaded is not None:
                 self.scaler.load_state_dict(self._loaded)
                 self._loaded = None

@@ -8,7 +8,9 @@ Intercepted: ``nn.Module.__call__`` (top-level calls only), ``Tensor.backward``,
 ``DataLoader.__iter__``/``__len__`` (and the index sampler its iterator reads),
 ``Optimizer.step`` (through torch's global step hooks, so every call path is seen),
 ``Optimizer.zero_grad``, ``Module.zero_grad``, ``LRScheduler.step`` and subclasses defining
-their own, and ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``.
+their own, ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``, and ``GradScaler``'s
+``scale``/``unscale_``/``step``/``update``/``get_scale`` (a user's own defers to an fp16
+scope's).
 Not intercepted: ``torch.autograd.backward``/``autograd.grad``, DataLoader subclasses that
 override ``__iter__``, classes defined after the first scope opened, and names bound with
 ``from torch.nn.utils import clip_grad_norm_`` before it opened (use ``accel_ctx``'s own).
@@ -121,6 +123,15 @@ def installed() -> bool:
         return _users > 0
 
 
+_SCALER_GATES = {
+    "scale": _gates.scaler_scale,
+    "unscale_": _gates.scaler_unscale,
+    "step": _gates.scaler_step,
+    "update": _gates.scaler_update,
+    "get_scale": _gates.scaler_get_scale,
+}
+
+
 def _install() -> None:
     _gates.stock.backward = torch.Tensor.__dict__["backward"]
     _gates.stock.module_call = nn.Module.__dict__["__call__"]
@@ -134,6 +145,8 @@ def _install() -> None:
     ]
     patches += [_wrap(c, "zero_grad", _gates.zero_grad) for c in _classes_defining(torch.optim.Optimizer, "zero_grad")]
     patches += [_wrap(c, "step", _gates.scheduler_step) for c in _classes_defining(lr_scheduler.LRScheduler, "step")]
+    for name, gate in _SCALER_GATES.items():  # a user's GradScaler defers to an fp16 scope's
+        patches += [_wrap(c, name, gate) for c in _classes_defining(torch.amp.GradScaler, name)]
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         patches.append(_AttributePatch(module, "clip_grad_norm_", _routed(module.clip_grad_norm_, _clip.clip_grad_norm_)))
         patches.append(_AttributePatch(module, "clip_grad_value_", _routed(module.clip_grad_value_, _clip.clip_grad_value_)))

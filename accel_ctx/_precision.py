@@ -234,6 +234,9 @@ class PrecisionRuntime(Concern):
         if self.scaling is not None:
             self.scaling.flush()
 
+    def loss_scaling(self) -> LossScaler | None:
+        return self.scaling
+
     def loss_scale(self) -> torch.Tensor | float | None:
         return self.scaling.current_scale() if self.scaling is not None else None
 

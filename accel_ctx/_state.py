@@ -301,6 +301,19 @@ _open_precisions: dict[int, Concern] = {}
 # the next scope would race. Each process-group generation uses its own key prefix.
 _stores: dict[tuple[str, int, int], Any] = {}
 _pg_generation = 0
+# Users' own GradScalers told once that they defer to a mixed_precision("fp16") scope's.
+_deferring_scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def first_deferral(scaler: Any) -> bool:
+    """True the first time ``scaler`` (a user's GradScaler) defers to a scope's loss scaling."""
+    with _process_lock:
+        if scaler in _deferring_scalers:
+            return False
+        _deferring_scalers.add(scaler)
+        return True
+
+
 # log_metrics(): one writer per tracker and directory for the life of the process.
 _metric_writers: dict[tuple[str, str], Any] = {}
 

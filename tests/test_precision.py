@@ -92,6 +92,44 @@ def test_fp16_clipping_unscales_first():
             assert torch.equal(a[k], b[k])
 
 
+@pytest.mark.parametrize("name", ["sgd", "adam-fused"])
+@pytest.mark.parametrize("clip", [None, 0.05], ids=["", "clipped"])
+def test_an_amp_loop_kept_as_it_was_trains_as_by_hand_under_fp16(name, clip):
+    # autocast + its own GradScaler (+ scaler.unscale_ before clipping), the scope put around
+    # it: the loss is scaled once, not twice (which overflowed and skipped every early step)
+    hand = _hand_written("fp16", OPTIMIZERS[name], clip=clip)
+    with pytest.warns(UserWarning, match="GradScaler of your own"), mixed_precision("fp16"):
+        ours = _hand_written("fp16", OPTIMIZERS[name], clip=clip)
+        assert state().skipped_steps == 0
+    for step, (a, b) in enumerate(zip(hand, ours, strict=True)):
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"step {step}: {k} differs"
+
+
+def test_a_users_grad_scaler_defers_to_the_scopes_skips_and_scale():
+    torch.manual_seed(0)
+    model = MLP()
+    model.net[0].weight.register_hook(InfAt({3}))
+    opt = OPTIMIZERS["sgd"](model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    history, scales = [], []
+    with pytest.warns(UserWarning, match="GradScaler of your own"):
+        with mixed_precision("fp16", init_scale=1024.0):
+            for x, y in DataLoader(make_data(), batch_size=16):
+                with torch.autocast("cpu", dtype=torch.float16):
+                    loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                history.append(params(model))
+                scales.append(scaler.get_scale())
+            assert state().skipped_steps == 1
+    assert all(torch.equal(history[1][k], history[2][k]) for k in history[1])  # step 3 skipped
+    assert scales[2] == 1024.0 and scales[3] == 512.0  # the scope's scale, halved once
+    assert scaler.get_scale() == 2.0**10  # outside the scope the user's own, untouched
+
+
 def test_fp16_clipping_twice_unscales_once():
     torch.manual_seed(0)
     model = MLP()
