@@ -113,18 +113,18 @@ def test_a_users_grad_scaler_defers_to_the_scopes_skips_and_scale():
     opt = OPTIMIZERS["sgd"](model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     history, scales = [], []
-    with pytest.warns(UserWarning, match="GradScaler of your own"):
-        with mixed_precision("fp16", init_scale=1024.0):
-            for x, y in DataLoader(make_data(), batch_size=16):
-                with torch.autocast("cpu", dtype=torch.float16):
-                    loss = F.cross_entropy(model(x), y)
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-                opt.zero_grad()
-                history.append(params(model))
-                scales.append(scaler.get_scale())
-            assert state().skipped_steps == 1
+    warned = pytest.warns(UserWarning, match="GradScaler of your own")
+    with warned, mixed_precision("fp16", init_scale=1024.0):
+        for x, y in DataLoader(make_data(), batch_size=16):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = F.cross_entropy(model(x), y)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            history.append(params(model))
+            scales.append(scaler.get_scale())
+        assert state().skipped_steps == 1
     assert all(torch.equal(history[1][k], history[2][k]) for k in history[1])  # step 3 skipped
     assert scales[2] == 1024.0 and scales[3] == 512.0  # the scope's scale, halved once
     assert scaler.get_scale() == 2.0**10  # outside the scope the user's own, untouched
