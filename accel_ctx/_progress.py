@@ -24,6 +24,7 @@ import socket
 import sys
 import tempfile
 import threading
+from types import CodeType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -47,7 +48,7 @@ _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 class Progress:
     """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
 
-    __slots__ = ("armed", "blames", "detail", "phase", "seq", "state", "step", "where")
+    __slots__ = ("_where", "armed", "blames", "detail", "phase", "seq", "state", "step")
 
     def __init__(self) -> None:
         self.step = 0  # optimizer steps taken (state().step)
@@ -59,7 +60,8 @@ class Progress:
         self.state = RUNNING
         self.detail = ""
         self.blames: list[int] = []
-        self.where = ""  # the user's line that entered the phase ("train.py:42 in main")
+        # the user's line that entered the phase, formatted only when read (hot path)
+        self._where: tuple[CodeType, int] | None = None
 
     def enter(self, phase: str) -> None:
         self.seq += 1
@@ -68,7 +70,12 @@ class Progress:
     def mark(self, phase: str) -> None:
         """Enter ``phase``, noting the user's line; called on the training thread itself."""
         self.phase = phase
-        self.where = here()
+        self._where = _user_code_line(sys._getframe(1))
+
+    @property
+    def where(self) -> str:
+        """The user's line that entered the phase: "train.py:42 in main" ("" if none)."""
+        return _format(self._where)
 
     def position(self) -> tuple[int, int]:
         return self.step, self.seq
@@ -101,17 +108,26 @@ def _is_users(filename: str) -> bool:
 _USERS: dict[Any, bool] = {}  # code object -> whether it is the user's (cached: hot path)
 
 
-def _user_line(frame: Any) -> str:
-    """The innermost frame outside accel_ctx, torch, wrapt and the standard library."""
+def _user_code_line(frame: Any) -> tuple[CodeType, int] | None:
+    """The code and line of the innermost frame outside accel_ctx, torch, wrapt and the
+    standard library."""
+    users_of = _USERS.get
     while frame is not None:
         code = frame.f_code
-        users = _USERS.get(code)
+        users = users_of(code)
         if users is None:
             users = _USERS[code] = _is_users(code.co_filename)
         if users:
-            return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+            return code, frame.f_lineno
         frame = frame.f_back
-    return ""
+    return None
+
+
+def _format(where: tuple[CodeType, int] | None) -> str:
+    if where is None:
+        return ""
+    code, line = where
+    return f"{os.path.basename(code.co_filename)}:{line} in {code.co_name}"
 
 
 _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
@@ -137,7 +153,7 @@ def here() -> str:
     Only ever for the calling thread's own frames: walking another running thread's frames
     (``sys._current_frames()``) races with that thread popping them and can crash CPython.
     """
-    return _user_line(sys._getframe(1))
+    return _format(_user_code_line(sys._getframe(1)))
 
 
 class Heartbeat:

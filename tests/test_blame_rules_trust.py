@@ -109,7 +109,7 @@ def test_the_line_shown_is_the_users_not_the_standard_librarys():
 
     class Probe:
         def __deepcopy__(self, memo):
-            seen.append(_progress._user_line(sys._getframe(1)))  # copy.deepcopy's frame
+            seen.append(_progress._format(_progress._user_code_line(sys._getframe(1))))  # deepcopy
             return self
 
     def caller() -> None:
