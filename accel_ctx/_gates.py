@@ -17,10 +17,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from . import _data, _state
-from ._concern import ForwardCall, LossScaling
-from ._loss_scale import OWN_SCALER
+from ._concern import ForwardCall
 from ._session import OptimizerRecord, Session
-from ._warn import warn_user
 
 VIEW_MARK = "_accel_ctx_skipped_step_view"
 
@@ -260,78 +258,3 @@ def schedule_must_wait(session: Session, scheduler: Any) -> bool:
         return False
     return now[0] > seen[0] and now[1] == seen[1]
 
-
-# ------------------------------------------------------------------------------------------------
-# a user's own GradScaler under mixed_precision("fp16")
-# ------------------------------------------------------------------------------------------------
-def _deferring_to(scaler: Any) -> LossScaling | None:
-    """The scope's fp16 loss scaling when ``scaler`` is a user's own enabled GradScaler.
-
-    An AMP loop kept as it was (``scaler.scale(loss).backward(); scaler.step(opt);
-    scaler.update()``) inside ``mixed_precision("fp16")`` would scale the loss twice: its fp16
-    gradients overflow at every step, and the user's scaler skips step after step while its
-    scale comes down. Deferring leaves one scaler, as the recipe has.
-    """
-    stack = _state.current()
-    if stack is None or scaler.__dict__.get(OWN_SCALER) or not scaler.is_enabled():
-        return None
-    for concern in stack.concerns:
-        scaling = concern.loss_scaling()
-        if scaling is not None:
-            if _state.first_deferral(scaler):
-                warn_user(
-                    "A GradScaler of your own runs inside mixed_precision('fp16'), which scales "
-                    "the loss itself: yours now defers to it (scale() returns the loss as it "
-                    "is, step() calls opt.step(), unscale_() unscales through the scope, "
-                    "update() does nothing), so the loss is scaled once, as in torch's recipe. "
-                    "You can remove it, or use mixed_precision('no') to keep your own AMP code.")
-            return scaling
-    return None
-
-
-def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    return args[0] if args else kwargs[name]
-
-
-def scaler_scale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> Any:
-    if _deferring_to(instance) is None:
-        return wrapped(*args, **kwargs)
-    return _first(args, kwargs, "outputs")  # loss.backward() scales it, once
-
-
-def scaler_unscale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                   ) -> Any:
-    scaling = _deferring_to(instance)
-    if scaling is None:
-        return wrapped(*args, **kwargs)
-    optimizer = _first(args, kwargs, "optimizer")
-    stack = _state.current()
-    if stack is not None:
-        optimizer_record(stack, optimizer)  # known from now on: clipping unscales nothing twice
-    scaling.unscale(optimizer)  # gradients read next: unscaled
-    return None
-
-
-def scaler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                ) -> Any:
-    if _deferring_to(instance) is None:
-        return wrapped(*args, **kwargs)
-    rest = dict(kwargs)
-    optimizer = args[0] if args else rest.pop("optimizer")
-    return optimizer.step(*args[1:], **rest)  # the step hooks unscale and skip on overflow
-
-
-def scaler_update(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                  ) -> Any:
-    if _deferring_to(instance) is None:
-        return wrapped(*args, **kwargs)
-    return None  # the scope updates its scale before the next backward
-
-
-def scaler_get_scale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-                     ) -> Any:
-    scaling = _deferring_to(instance)
-    if scaling is None:
-        return wrapped(*args, **kwargs)
-    return float(scaling.current_scale())  # the scale in use (waits for the device, as torch's)

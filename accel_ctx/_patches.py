@@ -31,7 +31,7 @@ from torch.optim import lr_scheduler
 from torch.optim import optimizer as _optim_module
 from torch.utils.data import DataLoader
 
-from . import _clip, _gates, _state
+from . import _clip, _gates, _state, _user_scaler
 from .errors import PatchConflictError
 
 _MISSING: Any = object()
@@ -124,11 +124,11 @@ def installed() -> bool:
 
 
 _SCALER_GATES = {
-    "scale": _gates.scaler_scale,
-    "unscale_": _gates.scaler_unscale,
-    "step": _gates.scaler_step,
-    "update": _gates.scaler_update,
-    "get_scale": _gates.scaler_get_scale,
+    "scale": _user_scaler.scale,
+    "unscale_": _user_scaler.unscale,
+    "step": _user_scaler.step,
+    "update": _user_scaler.update,
+    "get_scale": _user_scaler.get_scale,
 }
 
 
