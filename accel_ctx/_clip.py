@@ -52,9 +52,9 @@ def _deferred(stack: _state.Stack) -> bool:
 def _loss_scale(stack: _state.Stack) -> torch.Tensor | float:
     """The scale as the device holds it: dividing by it waits for nothing."""
     for concern in stack.concerns:
-        scale = concern.loss_scale()
-        if scale is not None:
-            return scale
+        scaling = concern.loss_scaling()
+        if scaling is not None:
+            return scaling.current_scale()
     return 1.0
 
 

@@ -177,11 +177,8 @@ class Concern:
 
     # ---- the rest --------------------------------------------------------------------------------
     def loss_scaling(self) -> LossScaling | None:
-        """The fp16 loss scaling this concern runs, which a user's own GradScaler defers to."""
-        return None
-
-    def loss_scale(self) -> torch.Tensor | float | None:
-        """The current loss scale, if this concern scales the loss (a tensor: on the device)."""
+        """The fp16 loss scaling this concern runs (clipping reads its scale; a user's own
+        GradScaler defers to it)."""
         return None
 
     def compute_dtype(self) -> torch.dtype | None:

@@ -257,4 +257,3 @@ def schedule_must_wait(session: Session, scheduler: Any) -> bool:
     if seen is None or record is None:
         return False
     return now[0] > seen[0] and now[1] == seen[1]
-

@@ -3,8 +3,8 @@
 ``loss.backward()`` scales, ``opt.step()`` unscales, checks for inf/NaN and the step is skipped
 when needed. An optimizer whose fused kernel takes GradScaler's scale and inf flag (fused Adam,
 AdamW, SGD) gets them as ``GradScaler.step`` hands them over: it unscales and skips on the
-device, and nothing waits for the device to learn whether the step was skipped. The scale is updated once per iteration, just before the next scaled backward (or
-when the scope ends), so several optimizers stepping on one backward all unscale with the scale
+device, and nothing waits for the device to learn whether the step was skipped. The scale is
+updated once per iteration, just before the next scaled backward (or when the scope ends), so several optimizers stepping on one backward all unscale with the scale
 their gradients were made with. This is the one place a GradScaler is built: at the first
 scaled backward, on the loss's device (a checkpoint's scaler state waits for it).
 """

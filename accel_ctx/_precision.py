@@ -237,9 +237,6 @@ class PrecisionRuntime(Concern):
     def loss_scaling(self) -> LossScaler | None:
         return self.scaling
 
-    def loss_scale(self) -> torch.Tensor | float | None:
-        return self.scaling.current_scale() if self.scaling is not None else None
-
     def compute_dtype(self) -> torch.dtype | None:
         return self.dtype  # a sharded model's MixedPrecisionPolicy: params gathered in it
 
@@ -295,7 +292,8 @@ class mixed_precision(Scope):
     (``state().skipped_steps`` counts them) and the scale adapts; LR schedulers advance only
     with real steps. A fused optimizer (``fused=True``) gets the scale and the inf flag as
     ``GradScaler.step`` hands them over and skips on the device: nothing waits for the device
-    until a scheduler steps or the count is read. ``None`` takes the launcher's ``--mixed-precision`` (default ``"no"``).
+    until a scheduler steps or the count is read. ``None`` takes the launcher's
+    ``--mixed-precision`` (default ``"no"``).
     Works with or without ``distributed()``; nested, the innermost policy wins.
 
     Example:

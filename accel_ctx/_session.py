@@ -62,7 +62,6 @@ class Session:
         self.backward_calls = 0
         self.step = 0  # optimizer steps taken (skipped fp16 steps included)
         self.skipped_steps = 0  # known so far: see read_skips
-        self._unread: weakref.WeakSet[OptimizerRecord] = weakref.WeakSet()
         self.last_counted_group = -1  # backward count at the last counted step
         self.optimizers: weakref.WeakKeyDictionary[torch.optim.Optimizer, OptimizerRecord] = (
             weakref.WeakKeyDictionary()
@@ -84,27 +83,24 @@ class Session:
         """
         skipped = flag.reshape(()).gt(0)
         record.unread = skipped.long() if record.unread is None else record.unread + skipped
-        self._unread.add(record)
 
     def read_skips(self, record: OptimizerRecord | None = None) -> None:
         """Bring the device's skip flags into ``skipped_steps`` and ``real`` (waits for it)."""
-        for each in [record] if record is not None else list(self._unread):
+        for each in [record] if record is not None else list(self.optimizers.values()):
             if each.unread is not None:
                 skipped = int(each.unread.item())
                 each.unread = None
                 each.real -= skipped
                 self.skipped_steps += skipped
-            self._unread.discard(each)
 
     def unread_counts(self) -> list[torch.Tensor]:
         """The device's skip counts not read yet (each optimizer's, as they stand now)."""
-        return [each.unread for each in self._unread if each.unread is not None]
+        return [each.unread for each in self.optimizers.values() if each.unread is not None]
 
     def forget_unread(self) -> None:
         """Counters are being replaced (a checkpoint loads): the unread flags count for nothing."""
-        for each in list(self._unread):
+        for each in self.optimizers.values():
             each.unread = None
-        self._unread = weakref.WeakSet()
 
     def first_iteration(self, loader: Any, record: Any) -> None:
         """Note ``loader`` when it is iterated for the first time in this session."""

@@ -17,9 +17,9 @@ class _DeviceCounts:
     """What a snapshot knows of values the device holds, read only when asked (a host sync)."""
 
     def __init__(self, session: Session, precision: PrecisionRuntime | None) -> None:
-        self._session = session
         # the scale as it is now (a copy: the scaler updates its own in place)
-        self._scale = precision.loss_scale() if precision is not None else None
+        scaling = precision.loss_scaling() if precision is not None else None
+        self._scale = scaling.current_scale() if scaling is not None else None
         self._known = session.skipped_steps
         self._unread = session.unread_counts()
         self._read: int | None = None
