@@ -25,9 +25,10 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _data_order, _state
+from . import _data_order, _eval_passes, _state
 from ._epochs import tell_epoch
 from ._join import UnevenTail
+from ._progress import here
 from ._session import LoaderIteration
 from ._shard import EMPTY as _EMPTY
 from ._shard import ShardedIndices as _ShardedIndices
@@ -92,14 +93,25 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     """The iterator a DataLoader hands out inside a scope."""
     record = _state.loader_record(loader)
     stack.session.first_iteration(loader, record)  # may set the resume fields below
+    session = stack.session
+    job = stack.job
+    if job is not None and torch.is_grad_enabled():  # training goes on: judge an evaluation
+        _eval_passes.verdict(job)
+    previous = record.last_pass
+    if previous is not None and _was_a_peek(previous, session.backward_calls):
+        # that pass was not an epoch: this one is the epoch it began, from the same position
+        record.epoch -= 1
+        record.resume_skip, record.resume_rng, record.skip_batches = previous.resume
     iterable = isinstance(loader.dataset, IterableDataset)
     skip, resume_rng = record.resume_skip, record.resume_rng
+    this_pass = _state.LoaderPass(session.backward_calls,
+                                  (skip, resume_rng, record.skip_batches))
+    record.last_pass = this_pass
     record.resume_skip, record.resume_rng = 0, None
     if record.skip_batches:  # skip_first_batches(): this rank's batches, W global ones each
         skip += record.skip_batches * plan_for(loader, stack).world
         record.skip_batches = 0
     plan = plan_for(loader, stack, skip)
-    job = stack.job
     record.epoch += 1
     tell_epoch(loader, record)
     record.yielded = 0
@@ -113,7 +125,7 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
 
     def build() -> ScopedIterator:
         it = _build_stock(loader, record, None if iterable else plan, stock_iter, resume_rng)
-        scoped = ScopedIterator(it, stack, record, loader.pin_memory, length, plan,
+        scoped = ScopedIterator(it, stack, record, this_pass, loader.pin_memory, length, plan,
                                 plan if iterable else None, _total(loader, iterable))
         scoped._iteration.loader = loader  # gather_for_metrics reads its sampler
         return scoped
@@ -128,9 +140,20 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     ):
         it, states, generators = _data_order.shared_start(loader, job, build, _first_batch)
         record.epoch_start_rng = _rng_snapshot(loader, states, generators)
-        return it
-    record.epoch_start_rng = _rng_snapshot(loader) if resume_rng is None else resume_rng
-    return build()
+    else:
+        record.epoch_start_rng = _rng_snapshot(loader) if resume_rng is None else resume_rng
+        it = build()
+    if job is not None and plan.world > 1:  # an evaluation pass would be judged (_eval_passes)
+        this_pass.collectives_start = _eval_passes.collectives_so_far()
+        this_pass.metric_gathers_start = job.root.metric_gathers
+        this_pass.no_grad = True if not torch.is_grad_enabled() else job.root.no_grad_forwards
+        this_pass.where = here()
+    return it
+
+
+def _was_a_peek(previous: _state.LoaderPass, backward_calls: int) -> bool:
+    """The loader's previous pass was left before its end, and nothing was trained in it."""
+    return not previous.exhausted and previous.backward_start == backward_calls
 
 
 def _first_batch(it: ScopedIterator) -> Any:
@@ -239,6 +262,7 @@ class ScopedIterator:
         it: Iterator[Any],
         stack: _state.Stack,
         record: _state.LoaderRecord,
+        loader_pass: _state.LoaderPass,
         pin_memory: bool,
         length: int | None,
         plan: ShardPlan,
@@ -247,12 +271,16 @@ class ScopedIterator:
     ) -> None:
         job = stack.job
         device = job.device if job is not None else None
+        self._job = job
+        self._plan = plan
+        self._total = total
         self._stock = it
         # iterable datasets cannot be indexed: shard the fetched batches with the same rules
         self._sharded = _ShardedIndices(it, shard) if shard is not None else None
         self._it: Iterator[Any] = self._sharded if self._sharded is not None else it
         self._session = stack.session
         self._record = record
+        self._pass = loader_pass
         self._device = device if device is not None and device.type != "cpu" else None
         self._move = BatchMover(self._device, pin_memory) if self._device is not None else None
         self._length = length
@@ -288,6 +316,9 @@ class ScopedIterator:
             batch = next(self._it, _EMPTY)
         indices = self.indices()
         if batch is _EMPTY:
+            if not self._pass.exhausted:
+                self._pass.exhausted = True
+                self._judge_pass()
             self._finish()
             if self._tail is not None and indices is not None and indices.incomplete:
                 self._tail.finish(indices.tail_start is not None)
@@ -313,6 +344,20 @@ class ScopedIterator:
         if self._move is not None:  # pinned batches: non-blocking, on a side stream
             batch = self._move(batch)
         return batch
+
+    def _judge_pass(self) -> None:
+        """The pass ran to its end: run without gradients, with no backward, an evaluation."""
+        job, loader_pass = self._job, self._pass
+        if (job is None or self._plan.world == 1 or loader_pass.collectives_start is None
+                or self._session.backward_calls != loader_pass.backward_start):
+            return
+        no_grad = loader_pass.no_grad
+        if no_grad is not True and job.root.no_grad_forwards == no_grad:
+            return  # no model ran without gradients: a look at the data, not an evaluation
+        loader = self._iteration.loader
+        gathers = job.root.metric_gathers - loader_pass.metric_gathers_start
+        _eval_passes.pass_ended(job, loader, loader_pass.where, self._plan, self._total,
+                                loader_pass.collectives_start, gathers)
 
     def _finish(self) -> None:
         self._exhausted = True

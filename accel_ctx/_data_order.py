@@ -9,15 +9,22 @@ draws from the states it received and compares. A sampler that draws from someth
 (Python's ``random``, NumPy, a generator it creates inside ``__iter__``) would give the ranks
 overlapping shares: the mismatching rank raises a :class:`DistributedError` naming the sampler
 and the fix. One broadcast per epoch, as before; nothing per step.
+
+A rank's own random stream stays its own. Scripts seed each rank differently (``manual_seed(s +
+rank)``) so that dropout, noise and augmentations differ between ranks; borrowing rank 0's
+global state for the order must not make every rank draw rank 0's numbers afterwards. So each
+rank's global generator is then put back to its own state, moved on by exactly as many words as
+building the epoch drew from it: where the same script under torchrun + DDP leaves it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import struct
 import types
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import islice
 from typing import Any, TypeVar
 
@@ -77,13 +84,77 @@ def order_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     return found
 
 
+# torch's CPU generator (mt19937) state: seed, words left before the next twist, seeded flag,
+# index of the next word, then the 624 state words (as uint64); normal-sample caches follow.
+_LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 624 * 8)
+_MAX_TWISTS = 1 << 16  # ~40M words: far more than building an epoch's order draws
+
+
+def _position(state: torch.Tensor) -> tuple[int, int]:
+    """(words left before the next twist, index of the next word) of a CPU generator state."""
+    return (int(state[_LEFT].view(torch.int32).item()),
+            int(state[_NEXT].view(torch.int64).item()))
+
+
+def words_drawn(before: torch.Tensor, after: torch.Tensor) -> int | None:
+    """How many 32-bit words a CPU generator drew to get from ``before`` to ``after``.
+
+    None when ``after`` is not a state ``before`` reaches by drawing (another seed, or more
+    than ``_MAX_TWISTS`` twists away).
+    """
+    walker = torch.Generator()
+    walker.set_state(before)
+    target_words = after[_WORDS]
+    target_next = _position(after)[1]
+    drawn = 0
+    for _ in range(_MAX_TWISTS):
+        now = walker.get_state()
+        left, next_word = _position(now)
+        if torch.equal(now[_WORDS], target_words) and target_next >= next_word:
+            rest = target_next - next_word
+            if rest:
+                torch.rand(rest, generator=walker)
+            same = torch.equal(walker.get_state()[:_WORDS.stop], after[:_WORDS.stop])
+            return drawn + rest if same else None
+        torch.rand(left, generator=walker)  # through the next twist
+        drawn += left
+    return None
+
+
+def advanced(state: torch.Tensor, words: int) -> torch.Tensor:
+    """``state`` moved on by ``words`` 32-bit words (one per float32 ``rand`` sample)."""
+    walker = torch.Generator()
+    walker.set_state(state)
+    while words > 0:
+        chunk = min(words, 1 << 22)
+        torch.rand(chunk, generator=walker)
+        words -= chunk
+    return walker.get_state()
+
+
+@contextlib.contextmanager
+def own_global_stream(borrowed: torch.Tensor) -> Iterator[None]:
+    """Draw from rank 0's global state ``borrowed`` inside, then go back to this rank's own
+    state, moved on by as many words as the block drew (what the same code would have drawn
+    from it)."""
+    own = torch.get_rng_state()
+    torch.set_rng_state(borrowed)
+    try:
+        yield
+    finally:
+        after = torch.get_rng_state()
+        words = words_drawn(borrowed, after)
+        # a stream that cannot be followed (reseeded inside): leave this rank's untouched
+        torch.set_rng_state(advanced(own, words) if words is not None else own)
+
+
 def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(g.get_state() for g in generators)]
 
 
 def _set_states(generators: list[torch.Generator], states: list[torch.Tensor]) -> None:
-    torch.set_rng_state(states[0])
-    for generator, state in zip(generators, states[1:], strict=True):
+    """The loader's own generators (not the global one) take rank 0's states."""
+    for generator, state in zip(generators, states, strict=True):
         generator.set_state(state)
 
 
@@ -106,8 +177,9 @@ def shared_start(
         buffer = torch.cat([torch.zeros(16, dtype=torch.uint8), *states]).to(device)
         dist.broadcast(buffer, src=0)
         states = [s.clone() for s in torch.split(buffer.cpu()[16:], sizes)]
-        _set_states(generators, states)
-        return build(), states, generators
+        _set_states(generators, states[1:])
+        with own_global_stream(states[0]):
+            return build(), states, generators
     if job.rank == 0:
         it = build()
         header = torch.tensor([1, fingerprint(first(it))], dtype=torch.int64).view(torch.uint8)
@@ -117,10 +189,11 @@ def shared_start(
     dist.broadcast(buffer, src=0)
     received = buffer.cpu()
     states = [s.clone() for s in torch.split(received[16:], sizes)]
-    _set_states(generators, states)
-    it = build()
+    _set_states(generators, states[1:])
+    with own_global_stream(states[0]):
+        it = build()
+        mine = fingerprint(first(it))
     expected = int(received[8:16].view(torch.int64).item())
-    mine = fingerprint(first(it))
     if mine != expected:
         raise DistributedError(_mismatch(loader, job.rank, generators))
     return it, states, generators

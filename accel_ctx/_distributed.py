@@ -15,6 +15,7 @@ from typing_extensions import Unpack
 
 from . import _adopt, _blame, _comm_hook, _fsdp, _replicate, _state
 from ._concern import Concern, Engine, ForwardCall, Params
+from ._ddp_controls import holds_back
 from ._dist_options import (
     DEFAULT_TIMEOUT,
     DistributedOptions,
@@ -22,10 +23,12 @@ from ._dist_options import (
     check_nested,
     parse_options,
 )
+from ._eval_passes import verdict
 from ._group import start_job
 from ._job import Job
 from ._precision import check_env_policy, precision_from_env
 from ._progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
+from ._replica_inputs import check_first_inputs
 from ._scope import Scope
 from ._session import Session
 from .errors import ConfigurationError
@@ -127,16 +130,21 @@ class DistributedRuntime(Concern):
             else:
                 call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
                                                     session)
+            if engine is not None and engine is not call.module and call.grad:
+                check_first_inputs(job, call, session)
         except Exception as exc:
             # the engine's setup broadcasts rank 0's weights
             _blame.reraise(job, exc, "forward (setting up DDP)" if self.plan is None
                            else "forward (sharding the model)")
             raise
         call.engine = engine
+        if not call.grad:
+            job.root.no_grad_forwards += 1  # an evaluation may be running (_eval_passes)
         if engine is not None and call.grad:
             progress.armed = True  # its backward averages gradients with every rank
             if engine is not call.module:
-                call.sync = True  # ours: the accumulation and no_sync scopes may veto
+                # ours: DDP's own controls on the model, the accumulation and no_sync scopes veto
+                call.sync = not holds_back(call.module)
         if engine is None or job.device.type != "cuda":
             call.args, call.kwargs = _adopt.inputs_to_device(job, call.args, call.kwargs)
         call.device_type = job.device.type
@@ -150,6 +158,7 @@ class DistributedRuntime(Concern):
 
     # ---- loss.backward() -------------------------------------------------------------------------
     def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
+        verdict(self.job)  # training goes on: judge a finished evaluation pass
         progress = self.job.progress
         if progress.armed and self.job.world_size > 1:
             _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")

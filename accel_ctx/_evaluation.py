@@ -67,6 +67,7 @@ def gather_for_metrics(obj: T) -> T:
     job = group_job()
     if job is None or stack is None:
         return obj
+    job.root.metric_gathers += 1  # this evaluation's results meet the other ranks (_eval_passes)
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
     if iteration is not None and iteration.uneven is not None:

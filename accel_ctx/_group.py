@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, Store
 
-from . import _comm_hook, _env, _rendezvous, _state
+from . import _comm_hook, _env, _eval_passes, _rendezvous, _state
 from ._adopt import release_all
 from ._barrier import announce_failure, store_and_prefix
 from ._dist_options import (
@@ -51,7 +51,10 @@ def start_job(options: DistributedOptions, exits: ExitStack) -> Job:
         torch.cuda.set_device(device)
         exits.callback(torch.cuda.set_device, previous)
     job = Job(launch, device, backend, options)
+    _state.open_process_job(job)
+    exits.callback(_state.close_process_job, job)
     exits.callback(release_all, job)
+    exits.callback(_eval_passes.verdict, job)  # a last evaluation pass, while the group is up
     _watch(job, exits)
     return job
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -61,6 +61,7 @@ class Adoption:
     __slots__ = (
         "__weakref__",
         "forwards",
+        "inputs_checked",
         "modules",
         "parts_checked",
         "replaced",
@@ -81,6 +82,8 @@ class Adoption:
         # forward gets in an uneven last round that no Join covers (even_batches=False)
         self.forwards = 0
         self.uneven_tail: str | None = None
+        # the ranks compared their first training inputs (_replica_inputs)
+        self.inputs_checked = False
 
 
 class Job:
@@ -109,6 +112,12 @@ class Job:
         self.progress: Progress = root.progress if root is not None else Progress()
         self.adoption: Adoption = root.adoption if root is not None else Adoption()
         self.heartbeat: Heartbeat | None = None
+        # evaluation passes over sharded loaders (_eval_passes): the one awaiting its verdict,
+        # the loaders already warned about, and gather_for_metrics calls so far
+        self.pending_eval: Any = None
+        self.eval_warned: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.metric_gathers = 0
+        self.no_grad_forwards = 0  # top-level forwards without gradients (evaluations)
         self._mesh: DeviceMesh | None = None
         self._hybrid_meshes: dict[int, DeviceMesh] = {}
 

@@ -4,13 +4,15 @@ Every patched entry point first reads the ContextVar; with no scope of this thre
 it is the stock function. Otherwise the call site runs the hooks of the open concerns
 (``_concern.Concern``) in their order; what each concern does lives in its own module.
 
-Intercepted: ``nn.Module.__call__`` (top-level calls only), ``Tensor.backward``,
+Intercepted: ``nn.Module.__call__`` (top-level calls only), ``nn.Module.__getattr__`` (its misses
+only: DDP's names on an adopted model, ``_ddp_controls``), ``Tensor.backward``,
 ``DataLoader.__iter__``/``__len__`` (and the index sampler its iterator reads),
 ``Optimizer.step`` (through torch's global step hooks, so every call path is seen),
 ``Optimizer.zero_grad``, ``Module.zero_grad``, ``LRScheduler.step`` and subclasses defining
 their own, ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``, and ``GradScaler``'s
 ``scale``/``unscale_``/``step``/``update``/``get_scale`` (a user's own defers to an fp16
-scope's).
+scope's), and ``set_epoch`` of every Sampler and Dataset class defining it (a call the loop makes
+itself marks the object as driven by the loop).
 Not intercepted: ``torch.autograd.backward``/``autograd.grad``, DataLoader subclasses that
 override ``__iter__``, classes defined after the first scope opened, and names bound with
 ``from torch.nn.utils import clip_grad_norm_`` before it opened (use ``accel_ctx``'s own).
@@ -29,9 +31,9 @@ import wrapt
 from torch import nn
 from torch.optim import lr_scheduler
 from torch.optim import optimizer as _optim_module
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from . import _clip, _gates, _state, _user_scaler
+from . import _clip, _ddp_controls, _epochs, _gates, _state, _user_scaler
 from .errors import PatchConflictError
 
 _MISSING: Any = object()
@@ -137,6 +139,7 @@ def _install() -> None:
     _gates.stock.module_call = nn.Module.__dict__["__call__"]
     patches = [
         _AttributePatch(nn.Module, "__call__", _make_module_call(_gates.stock.module_call)),
+        _AttributePatch(nn.Module, "__getattr__", _make_module_getattr(nn.Module.__dict__["__getattr__"])),
         _wrap(torch.Tensor, "backward", _gates.backward),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
         _wrap(DataLoader, "__len__", _gates.loader_len),
@@ -147,6 +150,10 @@ def _install() -> None:
     patches += [_wrap(c, "step", _gates.scheduler_step) for c in _classes_defining(lr_scheduler.LRScheduler, "step")]
     for name, gate in _SCALER_GATES.items():  # a user's GradScaler defers to an fp16 scope's
         patches += [_wrap(c, name, gate) for c in _classes_defining(torch.amp.GradScaler, name)]
+    # set_epoch calls the loop makes itself (a DistributedSampler it drives): see _epochs
+    epoch_owners = {c for base in (Sampler, Dataset) for c in _classes_defining(base, "set_epoch")}
+    patches += [_wrap(c, "set_epoch", _epochs.note_call)
+                for c in sorted(epoch_owners, key=lambda c: c.__qualname__)]
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         patches.append(_AttributePatch(module, "clip_grad_norm_", _routed(module.clip_grad_norm_, _clip.clip_grad_norm_)))
         patches.append(_AttributePatch(module, "clip_grad_value_", _routed(module.clip_grad_value_, _clip.clip_grad_value_)))
@@ -206,6 +213,47 @@ def _make_module_call(stock: Any) -> Callable[..., Any]:
     __call__.__wrapped__ = stock  # type: ignore[attr-defined]
     __call__.__doc__ = getattr(stock, "__doc__", None)
     return __call__
+
+
+# ------------------------------------------------------------------------------------------------
+# nn.Module.__getattr__: every parameter, buffer and submodule read goes through it
+# ------------------------------------------------------------------------------------------------
+_STOCK_GETATTR_NAMES = ("__dict__", "AttributeError", "type", "__name__")
+
+
+def _make_module_getattr(stock: Any) -> Callable[..., Any]:
+    """torch's lookup unchanged; a miss asks ``_ddp_controls`` (DDP's names on an adopted model)."""
+    missing = _ddp_controls.missing_attribute
+    code = getattr(stock, "__code__", None)
+    if code is not None and code.co_names == _STOCK_GETATTR_NAMES:
+        # torch's own body, line for line, so that the hot path costs what it did
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            if "_parameters" in self.__dict__:
+                _parameters = self.__dict__["_parameters"]
+                if name in _parameters:
+                    return _parameters[name]
+            if "_buffers" in self.__dict__:
+                _buffers = self.__dict__["_buffers"]
+                if name in _buffers:
+                    return _buffers[name]
+            if "_modules" in self.__dict__:
+                modules = self.__dict__["_modules"]
+                if name in modules:
+                    return modules[name]
+            return missing(self, name)
+
+    else:  # torch changed, or another library patched __getattr__ first: ask it first
+
+        def __getattr__(self: nn.Module, name: str) -> Any:
+            try:
+                return stock(self, name)
+            except AttributeError:
+                return missing(self, name)
+
+    __getattr__.__wrapped__ = stock  # type: ignore[attr-defined]
+    __getattr__.__doc__ = getattr(stock, "__doc__", None)
+    __getattr__.__qualname__ = "Module.__getattr__"
+    return __getattr__
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ import wrapt
 from typing_extensions import ParamSpec
 
 from . import _barrier, _blame, _debug, _state
-from ._job import SINGLE, Job
+from ._job import Job
 from ._warn import warn_user
 from .errors import ConfigurationError
 
@@ -49,7 +49,7 @@ R = TypeVar("R")
 def _position() -> tuple[Job | None, int, int, int, int]:
     """(job, rank, world size, local rank, local world size), as state() would say."""
     job = _state.current_job()
-    where = job.coordinates if job is not None else SINGLE
+    where = _state.coordinates()  # a helper thread of a rank sees that rank's coordinates
     return job, where.rank, where.world_size, where.local_rank, where.local_world_size
 
 

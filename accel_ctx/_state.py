@@ -113,10 +113,36 @@ def current() -> Stack | None:
 
 
 def coordinates() -> Coordinates:
-    """Where this process stands in the innermost ``distributed()`` job (rank 0 of 1 outside)."""
+    """Where this process stands: in the innermost ``distributed()`` job of this thread, else in
+    the job the process is in (a helper thread), else rank 0 of 1."""
     stack = current()
     job = stack.job if stack is not None else None
+    if job is None:
+        job = process_job()
     return job.coordinates if job is not None else SINGLE
+
+
+# Jobs formed in this process and still open, in any thread (outermost first). Rank and world
+# are facts of the process: a thread started inside distributed() has no scope of its own, but
+# its @on_main_process, main_print and state() must see the process's real coordinates.
+_process_jobs: list[Job] = []
+
+
+def process_job() -> Job | None:
+    """The job this process is in now (the latest one still open), whichever thread formed it."""
+    jobs = _process_jobs
+    return jobs[-1] if jobs else None
+
+
+def open_process_job(job: Job) -> None:
+    with _process_lock:
+        _process_jobs.append(job)
+
+
+def close_process_job(job: Job) -> None:
+    with _process_lock:
+        if job in _process_jobs:
+            _process_jobs.remove(job)
 
 
 def current_job() -> Job | None:
@@ -206,16 +232,8 @@ def leave_rank_only(token: Token[RankOnly | None]) -> None:
 # --------------------------------------------------------------------------------------------
 # per-object bookkeeping
 # --------------------------------------------------------------------------------------------
-MODULE_KEY = "_accel_ctx"
-
-
 class ModuleRecord:
-    """What a distributed runtime did to one module; kept in ``module.__dict__[MODULE_KEY]``.
-
-    Stored on the module (not in a table) because the DDP engine references the module: a
-    table entry would keep a dropped model alive until the scope ends. Copies and pickles of
-    the module get an inert empty dict instead of the live engine.
-    """
+    """What a distributed runtime did to one module (kept beside it, never on it)."""
 
     __slots__ = ("engine", "owner", "root")
 
@@ -226,23 +244,77 @@ class ModuleRecord:
         # or False when it needs none (nothing to train, or a single process)
         self.engine: Engine | bool | None = None
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        return {}
 
-    def __reduce__(self) -> tuple[type[dict[str, Any]], tuple[()]]:
-        return (dict, ())
+class _ModuleRecords:
+    """Module -> record, beside the modules: nothing of ours in a user's module, so that
+    ``torch.save(model)``, ``pickle``, ``copy.deepcopy``, ``repr`` and ``vars`` see plain torch.
+
+    Keyed by identity with weak references (a module class may define ``__eq__``/``__hash__``);
+    an entry goes with its module. A record's engine (DDP) refers to its module, so an adopted
+    model stays alive while its job holds the record: the job releases them when it ends, and
+    ``_adopt`` releases models nothing else refers to when a new one is adopted.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref[nn.Module], ModuleRecord]] = {}
+
+    def get(self, module: nn.Module) -> ModuleRecord | None:
+        entry = self._entries.get(id(module))
+        return entry[1] if entry is not None and entry[0]() is module else None
+
+    def set(self, module: nn.Module, record: ModuleRecord) -> None:
+        key = id(module)
+        entries = self._entries
+
+        def gone(ref: weakref.ref[nn.Module]) -> None:
+            entry = entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del entries[key]
+
+        entries[key] = (weakref.ref(module, gone), record)
+
+    def pop(self, module: nn.Module) -> None:
+        entry = self._entries.get(id(module))
+        if entry is not None and entry[0]() is module:
+            del self._entries[id(module)]
+
+
+_module_records = _ModuleRecords()
 
 
 def module_record(module: nn.Module) -> ModuleRecord | None:
-    record = module.__dict__.get(MODULE_KEY)
-    return record if isinstance(record, ModuleRecord) else None
+    return _module_records.get(module)
 
 
 def set_module_record(module: nn.Module, record: ModuleRecord | None) -> None:
     if record is None:
-        module.__dict__.pop(MODULE_KEY, None)
+        _module_records.pop(module)
     else:
-        module.__dict__[MODULE_KEY] = record
+        _module_records.set(module, record)
+
+
+class LoaderPass:
+    """One ``iter(loader)`` inside a scope: what it started from and whether it ran to the end.
+
+    A pass abandoned before its end with no backward in it (the DDP tutorial's
+    ``next(iter(loader))`` peek, an evaluation cut short) is not an epoch: the loader's next
+    pass takes its epoch number, and its resume position, over.
+    """
+
+    __slots__ = ("backward_start", "collectives_start", "exhausted", "metric_gathers_start",
+                 "no_grad", "resume", "where")
+
+    def __init__(self, backward_start: int, resume: tuple[int, Any, int]) -> None:
+        self.backward_start = backward_start  # the session's backward count at the pass's start
+        self.exhausted = False
+        self.resume = resume  # (resume_skip, resume_rng, skip_batches) the pass consumed
+        # for a pass sharded over several ranks (_eval_passes): the group's collectives and
+        # gather_for_metrics calls at its start, and the user's line of the loop
+        self.collectives_start: int | None = None
+        self.metric_gathers_start = 0
+        self.where = ""
+        # iterated with gradients off, or the count of forwards without them at its start
+        self.no_grad: bool | int = False
 
 
 class LoaderRecord:
@@ -254,6 +326,7 @@ class LoaderRecord:
         "epoch_plan",
         "epoch_start_rng",
         "indices",
+        "last_pass",
         "plan",
         "resume_rng",
         "resume_skip",
@@ -275,6 +348,7 @@ class LoaderRecord:
         self.resume_rng: Any = None  # epoch-start RNG states to replay for that epoch
         self.skip_batches = 0  # skip_first_batches(): this rank's batches to skip next epoch
         self.told_epochs: dict[int, int] = {}  # id(sampler/dataset) -> epoch set_epoch() got
+        self.last_pass: LoaderPass | None = None  # the latest iter() of the loader in a scope
 
 
 _loader_records: weakref.WeakKeyDictionary[Any, LoaderRecord] = weakref.WeakKeyDictionary()

@@ -9,6 +9,7 @@ import torch
 
 from . import _state
 from ._accumulate import AccumulateRuntime
+from ._job import Job
 from ._precision import PrecisionRuntime
 from ._session import Session
 
@@ -54,7 +55,8 @@ class State:
     backend: str | None = None
     """The process group's backend (None for one process)."""
     distributed: bool = False
-    """Inside a ``distributed()`` scope."""
+    """Inside a ``distributed()`` scope (of this thread: a helper thread of a rank sees the
+    rank's coordinates, but no scope)."""
     mixed_precision: str = "no"
     """The active precision policy: 'bf16', 'fp16' or 'no'."""
     accumulation_steps: int = 1
@@ -108,6 +110,14 @@ class State:
         return f"State({', '.join(shown)})"
 
 
+def _where(job: Job) -> dict[str, Any]:
+    launch, where = job.launch, job.coordinates
+    return {"rank": where.rank, "world_size": where.world_size, "local_rank": where.local_rank,
+            "local_world_size": where.local_world_size, "node_rank": launch.node_rank,
+            "num_nodes": launch.num_nodes, "device": job.device, "backend": job.backend,
+            "distributed": True}
+
+
 def state() -> State:
     """Where this process stands: rank, world size, device and the active settings.
 
@@ -124,23 +134,14 @@ def state() -> State:
         (0, True)
     """
     stack = _state.current()
-    if stack is None:
-        return State()
+    job = stack.job if stack is not None else None
+    if job is None:  # a helper thread of a rank: the process's coordinates, no scope of its own
+        job = _state.process_job()
+    if stack is None:  # no scope in this thread: the process's facts, none of a scope's
+        return State(**{**_where(job), "distributed": False}) if job is not None else State()
     values: dict[str, Any] = {"step": stack.session.step}
-    job = stack.job
     if job is not None:
-        launch, where = job.launch, job.coordinates
-        values.update(
-            rank=where.rank,
-            world_size=where.world_size,
-            local_rank=where.local_rank,
-            local_world_size=where.local_world_size,
-            node_rank=launch.node_rank,
-            num_nodes=launch.num_nodes,
-            device=job.device,
-            backend=job.backend,
-            distributed=True,
-        )
+        values.update(_where(job))
     iteration = stack.session.active_loader()
     if iteration is not None:
         values.update(loader=iteration.loader, batch_index=iteration.index,

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 from accel_ctx import _patches, _state
 
@@ -17,6 +18,7 @@ torch.set_num_threads(1)
 # The stock entry points, read before any scope opened.
 STOCK = {
     (nn.Module, "__call__"): nn.Module.__dict__["__call__"],
+    (nn.Module, "__getattr__"): nn.Module.__dict__["__getattr__"],
     (nn.Module, "zero_grad"): nn.Module.__dict__["zero_grad"],
     (torch.Tensor, "backward"): torch.Tensor.__dict__["backward"],
     (DataLoader, "__iter__"): DataLoader.__dict__["__iter__"],
@@ -25,6 +27,7 @@ STOCK = {
     (torch.optim.Optimizer, "zero_grad"): torch.optim.Optimizer.__dict__["zero_grad"],
     (torch.optim.lr_scheduler.LRScheduler, "step"): torch.optim.lr_scheduler.LRScheduler.__dict__["step"],
     (torch.nn.utils, "clip_grad_norm_"): torch.nn.utils.clip_grad_norm_,
+    (DistributedSampler, "set_epoch"): DistributedSampler.__dict__["set_epoch"],
     (torch.nn.utils.clip_grad, "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
 }
 

@@ -79,7 +79,7 @@ def identity_and_models() -> dict[str, Any]:
         out["frozen"] = params(frozen)
         out["len_loader"] = len(loader)
     # after the scope: no DDP, no record; backward outside does not synchronise
-    out["record_after"] = _state.MODULE_KEY in vars(model)
+    out["record_after"] = _state.module_record(model) is not None
     torch.manual_seed(int(os.environ["RANK"]) + 7)  # outside the scope state() says rank 0
     model.zero_grad()
     F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()

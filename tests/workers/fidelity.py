@@ -1,0 +1,356 @@
+"""Issue 23: scripts written outside this project, by hand (torchrun + DDP) and under accel_ctx.
+
+Each section is written the way third-party scripts are (the PyTorch DDP tutorial's trainer,
+per-rank seeds, nanoGPT's micro-steps, the MNIST example's test(), batches made without a
+DataLoader) and returns plain data; the tests compare the accel_ctx run with the hand-written
+one rank by rank. One spawned run per world size.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import pickle
+import threading
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+
+from accel_ctx import (
+    distributed,
+    gather_for_metrics,
+    main_print,
+    on_main_process,
+    reduce,
+    state,
+)
+
+from .common import by_hand
+
+
+def _rank() -> int:
+    return int(os.environ["RANK"])
+
+
+class Net(nn.Module):
+    """A user's model class, as a script defines it (module level, so pickles name it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.drop = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- 1. the DDP tutorial's trainer: a peek at a batch, then set_epoch ---------------------------
+def _tutorial_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    return TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 1, generator=g))
+
+
+def _tutorial(model: nn.Module, wrap: bool) -> dict[str, Any]:
+    """multigpu_torchrun.py's Trainer._run_epoch, with the model as the script holds it."""
+    dataset = _tutorial_data()
+    loader = DataLoader(dataset, batch_size=4, pin_memory=False, shuffle=False,
+                        sampler=DistributedSampler(dataset))
+    if wrap:
+        model = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    seen: list[list[list[float]]] = []
+    for epoch in range(3):
+        b_sz = len(next(iter(loader))[0])
+        assert b_sz == 4
+        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        seen.append([])
+        for source, targets in loader:
+            seen[-1].append(source[:, 0].tolist())
+            optimizer.zero_grad()
+            loss = F.mse_loss(model(source), targets)
+            loss.backward()
+            optimizer.step()
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {"seen": seen, "weights": _weights(inner)}
+
+
+def _linear() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+
+
+def tutorial() -> dict[str, Any]:
+    reference = by_hand(lambda: _tutorial(_linear(), wrap=True))
+    with distributed():
+        migrated = _tutorial(_linear(), wrap=False)  # the one-line change: no DDP(...) by hand
+    with distributed():
+        kept_ddp = _tutorial(_linear(), wrap=True)  # or the script's own DDP kept as it was
+    return {"reference": reference, "migrated": migrated, "kept_ddp": kept_ddp}
+
+
+# ---- 2. per-rank seeds: each rank's own random stream ------------------------------------------
+def _seeded_run(workers: int) -> dict[str, Any]:
+    torch.manual_seed(1337 + _rank())  # nanoGPT's seed_offset, GAN latents, augmentations
+    dataset = TensorDataset(torch.arange(48.0).view(48, 1))  # 12 batches: whole rounds
+    loader = DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
+                        multiprocessing_context="fork" if workers else None)
+    draws = []
+    batches = []
+    for _ in range(2):
+        for (x,) in loader:
+            batches.append(x[:, 0].tolist())
+        draws.append(torch.randn(3).tolist())  # noise, GAN latents, a dropout mask
+    return {"draws": draws, "batches": batches}
+
+
+def rank_seeds() -> dict[str, Any]:
+    out: dict[str, Any] = {"reference": by_hand(_seeded_run, 0)}
+    with distributed():
+        out["accel"] = _seeded_run(0)
+    out["reference_workers"] = by_hand(_seeded_run, 2)
+    with distributed():
+        out["accel_workers"] = _seeded_run(2)
+    return out
+
+
+# ---- 3. torch.save(model), pickle, deepcopy, repr inside a scope ---------------------------------
+def _saved_forms(model: nn.Module) -> dict[str, Any]:
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    try:
+        with torch.serialization.safe_globals([Net, nn.Linear, nn.Dropout]):
+            loaded = torch.load(buffer, weights_only=True)
+        load = {"ok": True, "weights": _weights(loaded), "class": type(loaded).__name__}
+    except Exception as exc:  # what a user sees; compared with plain torch's outcome
+        load = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+    copied = copy.deepcopy(model)
+    unpickled = pickle.loads(pickle.dumps(model))
+    return {
+        "load": load,
+        "vars": sorted(vars(model)),
+        "deepcopy_vars": sorted(vars(copied)),
+        "pickle_vars": sorted(vars(unpickled)),
+        "deepcopy_runs": copied(torch.ones(2, 4)).shape == (2, 1),
+        "repr": repr(model),
+    }
+
+
+def _one_step(model: nn.Module) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    F.mse_loss(model(torch.randn(6, 4)), torch.zeros(6, 1)).backward()
+    opt.step()
+
+
+def saving() -> dict[str, Any]:
+    torch.manual_seed(3)
+    plain_model = Net()
+    _one_step(plain_model)
+    plain = _saved_forms(plain_model)
+    torch.manual_seed(3)
+    with distributed():
+        model = Net()
+        _one_step(model)  # adopted, with its DDP engine
+        scoped = _saved_forms(model)
+        scoped["weights"] = _weights(model)
+    return {"plain": plain, "scoped": scoped}
+
+
+# ---- 4. DDP's own controls: require_backward_grad_sync, no_sync(), .module ---------------------
+def _micro_steps(model: nn.Module, style: str, steps: int = 2, micro: int = 3
+                 ) -> dict[str, Any]:
+    """nanoGPT's loop: the flag set before each micro-step's forward (or no_sync() around it)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(100 + _rank())  # each rank its own data
+    local_grads = []
+    for _ in range(steps):
+        for micro_step in range(micro):
+            x, y = torch.randn(4, 4, generator=g), torch.randn(4, 1, generator=g)
+            last = micro_step == micro - 1
+            if style == "flag":
+                model.require_backward_grad_sync = last
+                (F.mse_loss(model(x), y) / micro).backward()
+            elif last:
+                (F.mse_loss(model(x), y) / micro).backward()
+            else:
+                with model.no_sync():  # type: ignore[operator]
+                    (F.mse_loss(model(x), y) / micro).backward()
+            if micro_step == 0:  # after a micro-step without sync: still this rank's own
+                local_grads.append(next(model.parameters()).grad.clone())  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    return {"weights": _weights(inner), "local_grads": local_grads}
+
+
+def ddp_controls() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for style in ("flag", "no_sync"):
+        out[f"reference_{style}"] = by_hand(
+            lambda style=style: _micro_steps(nn.parallel.DistributedDataParallel(_linear()),
+                                             style))
+        with distributed():
+            out[f"accel_{style}"] = _micro_steps(_linear(), style)
+    with distributed():
+        model = _linear()
+        model(torch.randn(2, 4)).sum().backward()
+        try:
+            model.module.state_dict()  # type: ignore[operator]
+            out["module_error"] = None
+        except AttributeError as exc:
+            out["module_error"] = str(exc)
+        out["hasattr_module"] = hasattr(model, "module")
+        out["getattr_default"] = getattr(model, "module", model) is model
+        out["default_flag"] = model.require_backward_grad_sync
+        out["vars_after"] = sorted(vars(model))
+    out["vars_plain"] = sorted(vars(_linear()))
+    try:
+        _linear().no_sync  # outside every scope: torch's own AttributeError  # noqa: B018
+        out["outside"] = None
+    except AttributeError as exc:
+        out["outside"] = str(exc)
+    return out
+
+
+# ---- 5. the MNIST example's test(): a loop that sums its own counts ------------------------------
+def _eval_data() -> TensorDataset:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2500, 4, generator=g)
+    return TensorDataset(x, (x[:, 0] > 0).long())
+
+
+class Perfect(nn.Module):
+    """A classifier that is always right on _eval_data (and still has weights to train)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([-x[:, 0], x[:, 0]], dim=1) * self.scale
+
+
+def _test(model: nn.Module, loader: DataLoader[Any], combine: str) -> int:
+    """The MNIST example's test(), as written there, with the ways users combine counts."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for data, target in loader:
+            output = model(data)
+            pred = output.argmax(dim=1, keepdim=True)
+            if combine == "gather_for_metrics":
+                pred, target = gather_for_metrics((pred, target))
+            correct += int(pred.eq(target.view_as(pred)).sum().item())
+    if combine == "reduce":
+        correct = int(reduce(torch.tensor(correct)).item())
+    if combine == "all_reduce":  # a DDP script's own way
+        total = torch.tensor(correct)
+        dist.all_reduce(total)
+        correct = int(total.item())
+    return correct
+
+
+def _train_step(model: nn.Module) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model.train()
+    for data, target in DataLoader(_eval_data(), batch_size=500):
+        F.cross_entropy(model(data), target).backward()
+        opt.step()
+        break
+
+
+def evaluation() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for combine, even in (("none", True), ("reduce", True), ("gather_for_metrics", True),
+                          ("all_reduce", True), ("reduce", False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with distributed(even_batches=even):
+                model = Perfect()
+                loader = DataLoader(_eval_data(), batch_size=1000)
+                counts = []
+                for _ in range(2):  # train, test, train, test: one warning per loader
+                    _train_step(model)
+                    counts.append(_test(model, loader, combine))
+        out[f"{combine}-{even}"] = {
+            "counts": counts,
+            "warnings": [str(w.message) for w in caught if "evaluation" in str(w.message)],
+        }
+    return out
+
+
+# ---- 6. batches made without a DataLoader ----------------------------------------------------------
+def _get_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch: random windows of one long token stream."""
+    g = torch.Generator().manual_seed(seed)
+    data = torch.arange(1000) % 17
+    ix = torch.randint(len(data) - 8, (4,), generator=g)
+    x = torch.stack([data[i:i + 8] for i in ix]).float()
+    return x[:, :4], x[:, 4:5]
+
+
+def identical_inputs() -> dict[str, Any]:
+    out = {}
+    for case in ("same_seed", "per_rank_seed", "loader"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with distributed():
+                model = _linear()
+                opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                if case == "loader":
+                    x_all, y_all = _get_batch(0)
+                    batches = DataLoader(TensorDataset(x_all, y_all), batch_size=2)
+                else:
+                    seed = 0 if case == "same_seed" else _rank()
+                    batches = [_get_batch(seed + step) for step in range(3)]  # type: ignore[assignment]
+                for x, y in batches:
+                    F.mse_loss(model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+        out[case] = [str(w.message) for w in caught if "identical copies" in str(w.message)]
+    return out
+
+
+# ---- 7. a helper thread of a rank -------------------------------------------------------------------
+def helper_thread() -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+
+    @on_main_process
+    def upload() -> str:
+        return "uploaded"
+
+    def work() -> None:
+        s = state()
+        seen.update(rank=s.rank, world=s.world_size, main=s.is_main_process,
+                    scope=s.distributed, upload=upload())
+        main_print(f"helper of rank {s.rank}")
+
+    with distributed():
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join()
+    return seen
+
+
+def run_all() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section in (tutorial, rank_seeds, saving, ddp_controls, evaluation, identical_inputs,
+                    helper_thread):
+        try:
+            out[section.__name__] = section()
+        except Exception:  # one section's failure fails its tests only
+            out[section.__name__] = {"error": traceback.format_exc()}
+    return out
