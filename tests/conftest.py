@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader
 
 from accel_ctx import _patches, _state
@@ -26,14 +27,13 @@ STOCK = {
     (torch.optim.lr_scheduler.LRScheduler, "step"): torch.optim.lr_scheduler.LRScheduler.__dict__["step"],
     (torch.nn.utils, "clip_grad_norm_"): torch.nn.utils.clip_grad_norm_,
     (torch.nn.utils.clip_grad, "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+    (optim_module, "chain"): optim_module.chain,
 }
 
 
 def assert_stock() -> None:
     for (owner, name), stock in STOCK.items():
         assert owner.__dict__[name] is stock, f"{owner.__name__}.{name} is still patched"
-    from torch.optim import optimizer as optim_module
-
     assert not any(
         getattr(h, "__module__", "").startswith("accel_ctx")
         for h in optim_module._global_optimizer_pre_hooks.values()

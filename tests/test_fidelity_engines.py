@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from torch import nn
+from torch.optim import optimizer as optim_module
 
 from accel_ctx import _patches, _state, accumulate, distributed, mixed_precision, sharded, state
 from accel_ctx._scope import Scope
@@ -143,3 +144,135 @@ def test_exit_without_entry_is_still_an_error():
     with pytest.raises(MisnestedScopeError, match="more often than it was entered"):
         distributed().__exit__(None, None, None)
     _all_closed()
+
+
+# ---- optimizer hooks and steps that accumulate(k) holds back ---------------------------------
+class HookLog:
+    """Hooks a script or a library registers on an optimizer: counters and an EMA updater."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.counts = {"pre": 0, "post": 0, "global_pre": 0, "global_post": 0}
+        self.ema = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.model = model
+        self.handles = [opt.register_step_pre_hook(self._count("pre")),
+                        opt.register_step_post_hook(self._ema_update),
+                        optim_module.register_optimizer_step_pre_hook(self._count("global_pre"))]
+
+    def _count(self, name: str) -> Callable[..., None]:
+        def hook(*_: object) -> None:
+            self.counts[name] += 1
+        return hook
+
+    def _ema_update(self, *_: object) -> None:
+        self.counts["post"] += 1
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                self.ema[k].lerp_(v, 0.1)
+
+    def register_later(self) -> None:
+        """A global hook registered by other code once the scope is open (after ours)."""
+        self.handles.append(
+            optim_module.register_optimizer_step_post_hook(self._count("global_post")))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _accumulating_run(scoped: bool, k: int = 4, micro: int = 8, cls: type = torch.optim.AdamW
+                      ) -> tuple[dict[str, int], dict[str, torch.Tensor], HookLog, float]:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = cls(model.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # made before the scope
+    log = HookLog(model, opt)
+    xs = torch.randn(micro, 4, 3)
+    try:
+        if scoped:
+            with accumulate(k):
+                log.register_later()
+                for x in xs:
+                    model(x).pow(2).mean().backward()
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+                assert state().step == micro // k
+        else:  # the same loop written by hand
+            log.register_later()
+            for i, x in enumerate(xs):
+                (model(x).pow(2).mean() / k).backward()
+                if (i + 1) % k == 0:
+                    opt.step()
+                    sched.step()
+                    opt.zero_grad()
+    finally:
+        log.remove()
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return log.counts, weights, log, opt.param_groups[0]["lr"]
+
+
+class SuperStepping(torch.optim.AdamW):
+    """A subclass whose step() calls super().step(): torch runs the hooks at both levels."""
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, SuperStepping], ids=["AdamW", "subclass"])
+def test_optimizer_hooks_run_only_for_the_steps_accumulate_lets_through(cls):
+    ours, ours_weights, ours_log, ours_lr = _accumulating_run(True, cls=cls)
+    hand, hand_weights, hand_log, hand_lr = _accumulating_run(False, cls=cls)
+    per_step = 2 if cls is SuperStepping else 1
+    assert hand == {"pre": 2 * per_step, "post": 2 * per_step, "global_pre": 2 * per_step,
+                    "global_post": 2 * per_step}
+    assert ours == hand  # 8 step() calls, 2 real steps: the hooks ran for those 2 only
+    for name, value in hand_weights.items():
+        torch.testing.assert_close(ours_weights[name], value, rtol=1e-6, atol=1e-7)
+    for name, value in hand_log.ema.items():
+        torch.testing.assert_close(ours_log.ema[name], value, rtol=1e-6, atol=1e-7)
+    assert ours_lr == hand_lr == 0.05 * 0.5 ** 2
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adam-fused"])
+def test_a_step_that_overflows_in_fp16_runs_the_hooks_grad_scaler_runs(fused):
+    # GradScaler.step skips an overflowing step without calling optimizer.step() (no hook
+    # runs); a fused optimizer is called with the inf flag and skips itself (its hooks run)
+    from .test_precision import InfAt
+
+    def run(scoped: bool) -> tuple[dict[str, int], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Linear(8, 2))
+        model[0].weight.register_hook(InfAt({2}))
+        opt = (torch.optim.Adam(model.parameters(), lr=0.01, fused=True) if fused
+               else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        log = HookLog(model, opt)
+        log.register_later()
+        xs = torch.randn(5, 4, 3)
+        try:
+            if scoped:
+                with mixed_precision("fp16", init_scale=1024.0):
+                    for x in xs:
+                        model(x).float().pow(2).mean().backward()
+                        opt.step()
+                        opt.zero_grad()
+                    assert state().skipped_steps == 1
+            else:
+                scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+                for x in xs:
+                    with torch.autocast("cpu", dtype=torch.float16):
+                        out = model(x)
+                    scaler.scale(out.float().pow(2).mean()).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                    opt.zero_grad()
+        finally:
+            log.remove()
+        return log.counts, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    ours, ours_weights = run(True)
+    hand, hand_weights = run(False)
+    calls = 5 if fused else 4
+    assert hand == {"pre": calls, "post": calls, "global_pre": calls, "global_post": calls}
+    assert ours == hand
+    for name, value in hand_weights.items():
+        torch.testing.assert_close(ours_weights[name], value, rtol=0, atol=0)
