@@ -12,9 +12,11 @@ from torch.optim import optimizer as optim_module
 
 from accel_ctx import _patches, _state, accumulate, distributed, mixed_precision, sharded, state
 from accel_ctx._scope import Scope
-from accel_ctx.errors import MisnestedScopeError
+from accel_ctx.errors import ConfigurationError, MisnestedScopeError
 
+from ._spawn import spawn
 from .conftest import assert_stock
+from .workers import fidelity_engines as fe
 
 # ---- scopes exited out of order by hand ------------------------------------------------------
 SCOPES: dict[str, Callable[[], Scope]] = {
@@ -276,3 +278,99 @@ def test_a_step_that_overflows_in_fp16_runs_the_hooks_grad_scaler_runs(fused):
     assert ours == hand
     for name, value in hand_weights.items():
         torch.testing.assert_close(ours_weights[name], value, rtol=0, atol=0)
+
+
+# ---- sharded models whose parameters mix dtypes ----------------------------------------------
+BATCH = 4
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2 ranks", "3 ranks"])
+def mixed_runs(request, tmp_path_factory):
+    world = request.param
+    root = tmp_path_factory.mktemp("mixed")
+    return world, root, spawn(fe.mixed_dtypes, world, root, BATCH, str(root), timeout=300)
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str,
+           **tolerance: float) -> None:
+    assert sorted(got) == sorted(want), what
+    for key, value in want.items():
+        torch.testing.assert_close(got[key], value, msg=f"{what}: {key}", **tolerance)
+
+
+def test_mixed_dtypes_without_a_precision_scope_are_refused_with_the_fix(mixed_runs):
+    _, _, per_rank = mixed_runs
+    for result in per_rank:
+        message = result["refused"]
+        assert message is not None and message.startswith("sharded() cannot shard this Mixed")
+        assert "torch.bfloat16 (h.0.fc)" in message and "torch.float32 (h.0.ln)" in message
+        assert "model.float()" in message and "mixed_precision('bf16')" in message
+        assert result["refused_left"] == ["bfloat16", "float32"]
+
+
+def test_mixed_dtypes_train_as_the_model_upcast_by_hand(mixed_runs):
+    world, _, per_rank = mixed_runs
+    for rank, result in enumerate(per_rank):
+        for run in ("auto", "auto_after"):  # the optimizer made before or after the first call
+            ours = result[run]
+            # as the model made fp32 by hand, in the same scopes, and as FSDP2 written by hand
+            for reference in ("by_hand", "fsdp_by_hand"):
+                _close(ours["weights"], result[reference]["weights"],
+                       f"rank {rank}: {run} vs {reference}", rtol=0, atol=0)
+            assert ours["step"] == result["by_hand"]["step"] == 48 // (BATCH * world)
+            assert ours["master"] == ours["state_dict"] == ours["opt_state"] == ["float32"]
+            assert ours["opt_follows"]
+    assert len(per_rank[0]["warned"]) == 1 and "float32 master weights" in per_rank[0]["warned"][0]
+    assert all(not r["warned"] for r in per_rank[1:])  # rank 0 only
+
+
+def test_mixed_dtypes_save_fp32_weights_and_resume(mixed_runs):
+    _, root, per_rank = mixed_runs
+    saved = torch.load(root / "model.pt", weights_only=True)
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    _close(saved, per_rank[0]["auto"]["weights"], "save_model", rtol=0, atol=0)
+    for result in per_rank:
+        _close(result["resumed"], result["auto"]["weights"], "load_state", rtol=0, atol=0)
+        assert result["resumed_opt_state"] == ["float32"]
+        assert result["resumed_step"] == result["auto"]["step"] + 1
+
+
+def test_mixed_dtypes_in_one_process_as_on_many():
+    with pytest.raises(ConfigurationError, match="cannot shard this Mixed"), sharded():
+        fe.mixed_model()(torch.randn(2, 6))
+    # sharded() with mixed_precision in one process: upcast too (the same loop at every scale)
+    with pytest.warns(UserWarning, match="float32 master weights"):
+        ours = fe.train(BATCH * 2, scope="one process")
+    by_hand = fe.train(BATCH * 2, upcast=True, scope="one process")
+    autocast = fe.train(BATCH * 2, scope="autocast")  # the AMP recipe on the model made fp32
+    for reference in (by_hand, autocast):
+        _close(ours["weights"], reference["weights"], "one process", rtol=0, atol=0)
+    assert ours["master"] == ours["opt_state"] == ["float32"]
+
+
+def test_uniform_or_frozen_dtypes_are_left_as_they_are():
+    with sharded(), mixed_precision("bf16"):
+        model = fe.mixed_model()
+        model.requires_grad_(False)
+        model.norm.requires_grad_(True)  # only fp32 parameters train: nothing to upcast
+        model(torch.randn(2, 6))
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16, torch.float32}
+
+
+def test_an_optimizer_state_made_before_the_upcast_follows_it():
+    model = fe.mixed_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x, y = fe.data()[:8]
+    torch.nn.functional.cross_entropy(model(x), y).backward()  # a first step before the scope
+    opt.step()
+    opt.zero_grad()
+    before = {name: opt.state[p]["exp_avg"].clone() for name, p in model.named_parameters()}
+    with sharded(), mixed_precision("bf16"), pytest.warns(UserWarning, match="master weights"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        params = dict(model.named_parameters())
+        assert {id(p) for p in opt.param_groups[0]["params"]} == {id(p) for p in params.values()}
+        for name, p in params.items():
+            state = opt.state[p]
+            assert p.dtype == state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
+            assert not torch.equal(state["exp_avg"], before[name].float())  # it stepped on
