@@ -89,7 +89,12 @@ def adopt_optimizer(job: Job, optimizer: torch.optim.Optimizer) -> None:
 
 def _like(state: dict[str, Any], old: torch.Tensor, new: torch.Tensor) -> dict[str, Any]:
     """An optimizer state of ``old`` laid out as ``new``: sharded alike when ``new`` is a
-    shard (each rank keeps its part of what every rank holds in full; no communication)."""
+    shard (each rank keeps its part of what every rank holds in full; no communication), and
+    in ``new``'s dtype when the engine upcast the parameter (``_fsdp_dtypes``)."""
+    if new.dtype != old.dtype:
+        state = {key: value.to(new.dtype) if isinstance(value, torch.Tensor)
+                 and value.dtype == old.dtype and value.shape == old.shape and value.dim() > 0
+                 else value for key, value in state.items()}
     mesh = getattr(new, "device_mesh", None)
     if mesh is None:
         return state

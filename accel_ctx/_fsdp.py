@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _adopt, _state
+from ._fsdp_dtypes import settle_dtypes
 from ._job import Job
 from ._join import refuse_forward
 from ._session import Session
@@ -119,6 +120,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
     if meta:
         _check_meta_init(module)
     before = dict(module.named_parameters())
+    settle_dtypes(module, find_blocks(module, plan.blocks), _compute_dtype(), job.rank == 0)
     if sharding:
         _shard(job, module, plan, meta)
     elif meta:  # one process: nothing to shard, but the model must exist

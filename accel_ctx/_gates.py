@@ -9,6 +9,9 @@ skipping a step without touching the parameters, LR schedulers that wait for rea
 from __future__ import annotations
 
 import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -168,6 +171,39 @@ def skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     return view
 
 
+class HookChain:
+    """``itertools.chain`` as ``torch.optim.optimizer`` sees it while a scope is open.
+
+    torch's step wrapper runs ``for hook in chain(global hooks, the optimizer's hooks)`` before
+    and after the step. A ``step()`` call that a scope holds back (mid ``accumulate()`` group,
+    an fp16 overflow) is not a step: as with ``GradScaler.step``, which never calls
+    ``optimizer.step()`` on an overflow, none of the hooks that others registered may run for it
+    (EMA updaters, step counters). Our pre-hook, first of the global ones, hands the step a
+    :func:`skipped_view`; every other hook of that call sees it as the step's first argument and
+    is left out. Only the hook loops of that module use ``chain(a, b)``;
+    ``chain.from_iterable`` is itertools' own.
+    """
+
+    from_iterable = staticmethod(itertools.chain.from_iterable)
+
+    def __new__(cls, *hook_groups: Iterable[Any]) -> Iterator[Any]:  # type: ignore[misc]
+        return _hooks_of_a_step(hook_groups)
+
+
+def _hooks_of_a_step(hook_groups: tuple[Iterable[Any], ...]) -> Iterator[Any]:
+    for group in hook_groups:
+        for hook in group:
+            yield hook if hook is before_step or hook is after_step or not callable(hook) \
+                else functools.partial(_unless_held_back, hook)
+
+
+def _unless_held_back(hook: Callable[..., Any], optimizer: torch.optim.Optimizer,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args and getattr(args[0], "__dict__", {}).get(VIEW_MARK):
+        return None  # a held-back step() call: not a step
+    return hook(optimizer, args, kwargs)
+
+
 def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
     record = stack.session.optimizers.get(optimizer)
     if record is None:
@@ -254,6 +290,8 @@ def schedule_must_wait(session: Session, scheduler: Any) -> bool:
     now = (record.calls, record.real) if record is not None else (0, 0)
     seen = session.schedulers.get(scheduler)
     session.schedulers[scheduler] = now
-    if seen is None or record is None:
+    if record is None:
         return False
+    if seen is None:  # made before the scope: its first step here follows the last step() call
+        return record.skipping and getattr(scheduler, "_step_count", 1) > 0  # 0: being made
     return now[0] > seen[0] and now[1] == seen[1]

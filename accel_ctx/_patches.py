@@ -7,7 +7,8 @@ it is the stock function. Otherwise the call site runs the hooks of the open con
 Intercepted: ``nn.Module.__call__`` (top-level calls only), ``nn.Module.__getattr__`` (its misses
 only: DDP's names on an adopted model, ``_ddp_controls``), ``Tensor.backward``,
 ``DataLoader.__iter__``/``__len__`` (and the index sampler its iterator reads),
-``Optimizer.step`` (through torch's global step hooks, so every call path is seen),
+``Optimizer.step`` (through torch's global step hooks, so every call path is seen; the
+``chain`` of ``torch.optim.optimizer``'s hook loops, so a held-back step runs no hook),
 ``Optimizer.zero_grad``, ``Module.zero_grad``, ``LRScheduler.step`` and subclasses defining
 their own, ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``, and ``GradScaler``'s
 ``scale``/``unscale_``/``step``/``update``/``get_scale`` (a user's own defers to an fp16
@@ -140,6 +141,7 @@ def _install() -> None:
     patches = [
         _AttributePatch(nn.Module, "__call__", _make_module_call(_gates.stock.module_call)),
         _AttributePatch(nn.Module, "__getattr__", _make_module_getattr(nn.Module.__dict__["__getattr__"])),
+        _AttributePatch(_optim_module, "chain", _gates.HookChain),
         _wrap(torch.Tensor, "backward", _gates.backward),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
         _wrap(DataLoader, "__len__", _gates.loader_len),
@@ -163,11 +165,19 @@ def _install() -> None:
             _undo.append(patch.uninstall)
         pre = _optim_module.register_optimizer_step_pre_hook(_gates.before_step)
         _undo.append(pre.remove)
+        _run_first(_optim_module._global_optimizer_pre_hooks, pre.id)
         post = _optim_module.register_optimizer_step_post_hook(_gates.after_step)
         _undo.append(post.remove)
     except BaseException:
         _uninstall()
         raise
+
+
+def _run_first(hooks: dict[int, Any], key: int) -> None:
+    """Make the hook under ``key`` the first of ``hooks``: a held-back step() then runs no
+    other hook (``_gates.HookChain``)."""
+    others = [(k, hooks.pop(k)) for k in list(hooks) if k != key]
+    hooks.update(others)
 
 
 def _uninstall() -> None:

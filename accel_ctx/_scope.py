@@ -30,7 +30,7 @@ R = TypeVar("R")
 
 
 class _Entry:
-    __slots__ = ("exits", "frame", "stack", "thread", "token")
+    __slots__ = ("closed", "deferred", "exits", "frame", "stack", "thread", "token")
 
     def __init__(self, frame: _state.Frame, exits: ExitStack) -> None:
         self.frame = frame
@@ -38,6 +38,43 @@ class _Entry:
         self.stack: _state.Stack | None = None
         self.token: Token[_state.Stack | None] | None = None
         self.thread = 0
+        # its exit was refused (a scope entered after it was still open): it closes as soon as
+        # those scopes close, and then ``closed`` makes a retried exit a no-op
+        self.deferred = False
+        self.closed = False
+
+
+_ExcInfo = tuple[type[BaseException] | None, BaseException | None, TracebackType | None]
+
+
+def _close_deferred() -> None:
+    """Close the entries whose exits were refused, innermost first, once they are innermost."""
+    close = _state.take_deferred_exit()
+    if close is not None:
+        try:
+            close()
+        finally:
+            _close_deferred()
+
+
+class _Closing:
+    """``with entry.exits`` for a decorated generator's entry, unless its exit was refused
+    (a scope it left open is still open): the entry then closes when that scope does."""
+
+    def __init__(self, entry: _Entry) -> None:
+        self.entry = entry
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        if self.entry.deferred:
+            return None
+        try:
+            return self.entry.exits.__exit__(exc_type, exc, tb)
+        finally:
+            _close_deferred()
 
 
 class Scope:
@@ -68,15 +105,30 @@ class Scope:
         entry.stack, entry.token = _state.push(entry.frame)
         entry.thread = entry.stack.thread
 
-    def _deactivate(self, entry: _Entry) -> None:
-        assert entry.stack is not None and entry.token is not None
-        if not _state.pop(entry.stack, entry.token):
+    def _deactivate(self, entry: _Entry, exc_info: _ExcInfo = (None, None, None)) -> None:
+        """Pop ``entry``'s frame; when a scope entered after it is still open, refuse: the
+        entry stays open and closes (with ``exc_info``) as soon as the scopes above it do."""
+        stack, token = entry.stack, entry.token
+        assert stack is not None and token is not None
+        if not _state.pop(stack, token):
+            if not entry.deferred:
+                entry.deferred = True
+                _state.defer_exit(stack, functools.partial(self._close_later, entry, exc_info))
             raise MisnestedScopeError(
                 f"{type(self).__name__}() is being exited while a scope entered after it is "
-                "still open (or from another thread). Exit scopes in the reverse order of "
-                "entering them: nest `with` blocks instead of calling __enter__/__exit__ by hand."
+                "still open; it stays open and closes as soon as the scopes entered after it "
+                "are exited. Exit scopes in the reverse order of entering them: nest `with` "
+                "blocks instead of calling __enter__/__exit__ by hand."
             )
         entry.stack = entry.token = None
+
+    def _close_later(self, entry: _Entry, exc_info: _ExcInfo) -> None:
+        """Close an entry whose exit was refused, now that it is innermost again."""
+        assert entry.stack is not None and entry.token is not None
+        _state.pop(entry.stack, entry.token)
+        entry.stack = entry.token = None
+        entry.deferred, entry.closed = False, True
+        entry.exits.__exit__(*exc_info)
 
     def __enter__(self) -> Self:
         entry = self._begin()
@@ -94,22 +146,30 @@ class Scope:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        entry = self._pop_entry()
+        entry = self._exiting_entry()
+        if entry.closed:  # its refused exit took effect when the scopes above it closed
+            self._entries.remove(entry)
+            return
+        self._deactivate(entry, (exc_type, exc, tb))  # refused: the entry stays
+        self._entries.remove(entry)
         try:
-            self._deactivate(entry)
-        finally:
             # the teardown sees the exception (distributed() tells the other ranks about it)
             entry.exits.__exit__(exc_type, exc, tb)
+        finally:
+            _close_deferred()
 
-    def _pop_entry(self) -> _Entry:
+    def _exiting_entry(self) -> _Entry:
+        """This thread's innermost open entry; else one whose exit was refused before."""
         thread = _state._get_ident()
-        for i in range(len(self._entries) - 1, -1, -1):
-            if self._entries[i].thread == thread:
-                return self._entries.pop(i)
-        raise MisnestedScopeError(
-            f"{type(self).__name__}() was exited in a thread that did not enter it; enter and "
-            "exit a scope in the same thread."
-        )
+        mine = [e for e in self._entries if e.thread == thread]
+        for entry in reversed(mine):
+            if not (entry.deferred or entry.closed):
+                return entry
+        if mine:
+            return mine[-1]
+        where = "in a thread that did not enter it; enter and exit a scope in the same thread" \
+            if self._entries else "more often than it was entered"
+        raise MisnestedScopeError(f"{type(self).__name__}() was exited {where}.")
 
     # ---- decorating ---------------------------------------------------------------------------
     def _clone(self) -> Self:
@@ -161,7 +221,7 @@ class Scope:
         def run(*args: Any, **kwargs: Any) -> Generator[Any, Any, Any]:
             scope = self._clone()
             entry = scope._begin()
-            with entry.exits:
+            with _Closing(entry):
                 gen = fn(*args, **kwargs)
                 sent: Any = None
                 thrown: BaseException | None = None
@@ -173,6 +233,7 @@ class Scope:
                         return stop.value
                     finally:
                         scope._deactivate(entry)
+                    _close_deferred()  # scopes whose exit the generator's frame held back
                     thrown = None
                     try:
                         sent = yield value

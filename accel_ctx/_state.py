@@ -191,6 +191,31 @@ def pop(stack: Stack, token: Token[Stack | None]) -> bool:
     return True
 
 
+# Scope exits refused because a scope entered later was still open: id(stack) -> the stack and
+# what closes its entry, run once the scopes above it have closed (a `with` block's or a
+# decorator's exit cannot be retried, so the stack would otherwise keep a stale frame).
+_deferred_exits: dict[int, tuple[Stack, Callable[[], None]]] = {}
+
+
+def defer_exit(stack: Stack, close: Callable[[], None]) -> None:
+    """Run ``close`` when ``stack`` is this thread's innermost again (see ``take_deferred_exit``)."""
+    with _process_lock:
+        _deferred_exits[id(stack)] = (stack, close)
+
+
+def take_deferred_exit() -> Callable[[], None] | None:
+    """The deferred close of this thread's innermost stack, if its exit was refused before."""
+    stack = current()
+    if stack is None or not _deferred_exits:
+        return None
+    with _process_lock:
+        found = _deferred_exits.get(id(stack))
+        if found is None or found[0] is not stack:
+            return None
+        del _deferred_exits[id(stack)]
+    return found[1]
+
+
 def enter_forward(stack: Stack) -> Token[Stack | None]:
     assert stack.forward is not None
     return _STACK.set(stack.forward)

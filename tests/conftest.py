@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -29,14 +30,13 @@ STOCK = {
     (torch.nn.utils, "clip_grad_norm_"): torch.nn.utils.clip_grad_norm_,
     (DistributedSampler, "set_epoch"): DistributedSampler.__dict__["set_epoch"],
     (torch.nn.utils.clip_grad, "clip_grad_norm_"): torch.nn.utils.clip_grad.clip_grad_norm_,
+    (optim_module, "chain"): optim_module.chain,
 }
 
 
 def assert_stock() -> None:
     for (owner, name), stock in STOCK.items():
         assert owner.__dict__[name] is stock, f"{owner.__name__}.{name} is still patched"
-    from torch.optim import optimizer as optim_module
-
     assert not any(
         getattr(h, "__module__", "").startswith("accel_ctx")
         for h in optim_module._global_optimizer_pre_hooks.values()
