@@ -9,6 +9,7 @@ import torch
 
 from . import _state
 from ._accumulate import AccumulateRuntime
+from ._options import checked
 from ._precision import PrecisionRuntime
 from ._session import Session
 
@@ -108,6 +109,7 @@ class State:
         return f"State({', '.join(shown)})"
 
 
+@checked
 def state() -> State:
     """Where this process stands: rank, world size, device and the active settings.
 
