@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ._concern import Concern, ForwardCall, Params
+from ._options import checked
 from ._scope import Scope
 from ._session import OptimizerRecord, Session
 from ._warn import warn_user
@@ -139,6 +140,7 @@ def _rescale_grads(params: list[torch.Tensor], factor: float) -> None:
         torch._foreach_mul_(grads, factor)
 
 
+@checked
 class accumulate(Scope):
     """Accumulate gradients over ``steps`` micro-batches with the loop left unchanged.
 
@@ -189,6 +191,7 @@ class NoSyncRuntime(_PausesEngines):
         return False
 
 
+@checked
 class no_sync(Scope):
     """Skip the gradient all-reduce of backward passes whose forward ran inside the scope.
 
@@ -206,6 +209,8 @@ class no_sync(Scope):
         ...     model(torch.randn(4, 2)).sum().backward()
     """
 
+    def __init__(self) -> None:  # its own, so that no_sync(2) names no_sync() in the error
+        super().__init__()
 
     def _open(self, exits: ExitStack) -> NoSyncRuntime:
         runtime = NoSyncRuntime()

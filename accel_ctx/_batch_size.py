@@ -22,6 +22,7 @@ from typing_extensions import ParamSpec
 
 from . import _state
 from ._barrier import store_and_prefix
+from ._options import checked
 from ._progress import BACKWARD
 from ._progress import read as read_progress
 from .errors import AccelCtxError, ConfigurationError, DistributedError
@@ -119,6 +120,7 @@ def find_executable_batch_size(
 ) -> Callable[[Callable[Concatenate[int, P], R]], Callable[P, R]]: ...
 
 
+@checked
 def find_executable_batch_size(
     function: Callable[Concatenate[int, P], R] | None = None, *, starting_batch_size: int = 128,
     min_batch_size: int = 1,
@@ -150,11 +152,21 @@ def find_executable_batch_size(
         >>> train()
         16
     """
+    if function is not None and not callable(function):
+        raise ConfigurationError(
+            f"find_executable_batch_size({function!r}): decorate the function that takes the "
+            "batch size first; pass the sizes by name: "
+            "@find_executable_batch_size(starting_batch_size=128).")
     for name, value in (("starting_batch_size", starting_batch_size),
                         ("min_batch_size", min_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigurationError(
                 f"find_executable_batch_size({name}={value!r}): give a whole number >= 1.")
+    if min_batch_size > starting_batch_size:
+        raise ConfigurationError(
+            f"find_executable_batch_size(starting_batch_size={starting_batch_size}, "
+            f"min_batch_size={min_batch_size}): the smallest size exceeds the first, so no size "
+            "would ever be tried. Give min_batch_size <= starting_batch_size.")
 
     def decorate(fn: Callable[Concatenate[int, P], R]) -> Callable[P, R]:
         @functools.wraps(fn)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import _debug
 from ._blame import collective
 from ._collectives import group_job
+from ._options import checked
 from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError, DistributedError
 
@@ -42,6 +43,7 @@ class _Slot:
 
 
 @collective
+@checked
 def broadcast(tensors: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s tensors (a tensor or a nested structure of them).
 
@@ -61,8 +63,9 @@ def broadcast(tensors: T, src: int = 0) -> T:
     """
     job = group_job()
     if job is None:
-        if src != 0:
-            raise ConfigurationError(f"broadcast(src={src}): a single process has only rank 0.")
+        if not _valid_src(1, src):
+            raise ConfigurationError(
+                f"broadcast(src={src!r}): a single process has only rank 0: give src=0.")
         return tensors
     me = job.rank == src
     _debug.check(job, f"broadcast(src={src})")
@@ -92,6 +95,7 @@ def broadcast(tensors: T, src: int = 0) -> T:
 
 
 @collective
+@checked
 def broadcast_object(obj: T, src: int = 0) -> T:
     """Every rank gets rank ``src``'s ``obj`` (any picklable object); ``src`` gets its own back.
 
@@ -105,23 +109,22 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     """
     job = group_job()
     if job is None:
-        if src != 0:
+        if not _valid_src(1, src):
             raise ConfigurationError(
-                f"broadcast_object(src={src}): a single process has only rank 0."
-            )
+                f"broadcast_object(src={src!r}): a single process has only rank 0: give src=0.")
         return obj
     _debug.check(job, f"broadcast_object(src={src})")
     received = _send_object(job, "broadcast_object", obj, src)
     return obj if job.rank == src else received
 
 
-def _valid_src(job: Job, src: Any) -> bool:
-    return not isinstance(src, bool) and isinstance(src, int) and 0 <= src < job.world_size
+def _valid_src(world: int, src: Any) -> bool:
+    return not isinstance(src, bool) and isinstance(src, int) and 0 <= src < world
 
 
 def _send_object(job: Job, call: str, obj: Any, src: int) -> Any:
     """``src``'s ``obj`` on every rank: a checked size message, then the pickled bytes."""
-    valid = _valid_src(job, src)
+    valid = _valid_src(job.world_size, src)
     me = valid and job.rank == src
     payload, problem = b"", ""
     if me:

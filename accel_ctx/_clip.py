@@ -13,6 +13,7 @@ them alone.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -20,11 +21,31 @@ from torch.nn.utils import clip_grad as _stock
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from . import _state
+from ._options import checked, flag
+from .errors import ConfigurationError
 
 _Params = torch.Tensor | Iterable[torch.Tensor]
 # Captured at import, before any scope patches torch's names with ours.
 _stock_clip_norm = _stock.clip_grad_norm_
 _stock_clip_value = _stock.clip_grad_value_
+
+
+def _check(call: str, name: str, value: object) -> None:
+    """A bound or norm order as torch takes it: a number, a one-element tensor, or (norm
+    orders) a string such as 'inf'; a bool or another string is refused, not guessed at."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if isinstance(value, torch.Tensor):
+        ok = value.numel() == 1
+    elif isinstance(value, str) and name == "norm_type":
+        try:
+            float(value)
+            ok = True
+        except ValueError:
+            ok = False
+    if not ok:
+        raise ConfigurationError(
+            f"{call}({name}={value!r}): give a number" + (" (or 'inf')" if name == "norm_type"
+                                                          else "") + ".")
 
 
 def _as_list(parameters: _Params) -> list[torch.Tensor]:
@@ -84,6 +105,7 @@ def _whole(norm: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else norm
 
 
+@checked
 def clip_grad_norm_(
     parameters: _Params,
     max_norm: float,
@@ -106,6 +128,11 @@ def clip_grad_norm_(
         >>> round(float(clip_grad_norm_([w], max_norm=1.0)), 3)
         17.321
     """
+    _check("clip_grad_norm_", "max_norm", max_norm)
+    _check("clip_grad_norm_", "norm_type", norm_type)
+    flag("clip_grad_norm_", "error_if_nonfinite", error_if_nonfinite)
+    if foreach is not None:
+        flag("clip_grad_norm_", "foreach", foreach)
     stack = _state.current()
     if stack is None:
         return _stock_clip_norm(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -127,6 +154,7 @@ def clip_grad_norm_(
     return total
 
 
+@checked
 def clip_grad_value_(
     parameters: _Params, clip_value: float, foreach: bool | None = None
 ) -> None:
@@ -140,6 +168,9 @@ def clip_grad_value_(
         >>> clip_grad_value_([w], 1.0); w.grad
         tensor([1., 1.])
     """
+    _check("clip_grad_value_", "clip_value", clip_value)
+    if foreach is not None:
+        flag("clip_grad_value_", "foreach", foreach)
     stack = _state.current()
     if stack is None:
         _stock_clip_value(parameters, clip_value, foreach)

@@ -14,6 +14,7 @@ checks, with the other ranks, that the calls fit together (see ``_debug``).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from . import _debug, _state
 from ._blame import collective
 from ._exchange import describe, exchange
+from ._options import checked, flag, whole
 from ._reduce import reduce_tensors
 from ._skeleton import fill, merge
 from ._tree import map_tensors
@@ -82,6 +84,7 @@ def travel_type(job: Job) -> Callable[[torch.Tensor], str]:
 
 
 @collective
+@checked
 def gather(tensors: T) -> T:
     """Concatenate every rank's tensors along dim 0, in rank order; the same result on all ranks.
 
@@ -122,6 +125,7 @@ def gather(tensors: T) -> T:
 
 
 @collective
+@checked
 def gather_object(obj: T) -> list[T]:
     """Every rank's ``obj`` (any picklable object), in rank order; ``[obj]`` in a single process.
 
@@ -143,6 +147,7 @@ def gather_object(obj: T) -> list[T]:
 
 
 @collective
+@checked
 def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     """Combine every rank's tensors element-wise: ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``.
 
@@ -185,6 +190,7 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
 
 
 @collective
+@checked
 def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
                          pad_first: bool = False) -> T:
     """Pad each tensor along ``dim`` to the largest size any rank has, so collectives fit.
@@ -203,6 +209,12 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
         >>> pad_across_processes(torch.tensor([[1, 2]]), dim=1).tolist()
         [[1, 2]]
     """
+    whole("pad_across_processes", "dim", dim, -(2**31), "give the dimension to pad, an int.")
+    flag("pad_across_processes", "pad_first", pad_first)
+    if not isinstance(pad_index, numbers.Number):  # a bool pads a mask
+        raise ConfigurationError(
+            f"pad_across_processes(pad_index={pad_index!r}): give the number to pad with (e.g. "
+            "0, or the tokenizer's pad token id).")
     job = group_job()
     if job is None:
         return tensors

@@ -13,11 +13,13 @@ from typing import Any, TypeAlias
 
 import torch
 
+from ._options import checked, flag, whole
 from .errors import ConfigurationError
 
 COMM_HOOKS = ("bf16", "fp16", "powersgd")
 
 
+@checked
 @dataclass(frozen=True)
 class PowerSGD:
     """torch's PowerSGD gradient compression with your settings: ``comm_hook=PowerSGD(...)``.
@@ -60,6 +62,9 @@ class PowerSGD:
                 raise ConfigurationError(
                     f"PowerSGD({name}={value!r}): give a whole number >= 1 (torch's defaults: "
                     "rank=1, start_iter=1000).")
+        whole("PowerSGD", "seed", self.seed, 0, "give the random seed, an int >= 0.")
+        for name in ("use_error_feedback", "warm_start", "batched"):
+            flag("PowerSGD", name, getattr(self, name))
         rate = self.min_compression_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0:
             raise ConfigurationError(

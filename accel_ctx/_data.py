@@ -32,7 +32,7 @@ from ._progress import here
 from ._session import LoaderIteration
 from ._shard import EMPTY as _EMPTY
 from ._shard import ShardedIndices as _ShardedIndices
-from ._shard import ShardPlan
+from ._shard import ShardPlan, check_skip
 from ._transfer import BatchMover
 
 __all__ = ["ScopedIterator", "ShardPlan", "plan_for", "scoped_iter", "scoped_len"]
@@ -109,8 +109,9 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     record.last_pass = this_pass
     record.resume_skip, record.resume_rng = 0, None
     if record.skip_batches:  # skip_first_batches(): this rank's batches, W global ones each
-        skip += record.skip_batches * plan_for(loader, stack).world
-        record.skip_batches = 0
+        batches, record.skip_batches = record.skip_batches, 0
+        check_skip(batches, _total(loader, iterable), plan_for(loader, stack, skip))
+        skip += batches * plan_for(loader, stack).world
     plan = plan_for(loader, stack, skip)
     record.epoch += 1
     tell_epoch(loader, record)

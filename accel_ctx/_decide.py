@@ -8,6 +8,7 @@ same blame and debug checks as ``reduce``; in a single process it is the flag it
 
 from __future__ import annotations
 
+import numbers
 import random
 from collections.abc import Iterable
 from typing import Any
@@ -16,6 +17,7 @@ import torch
 
 from ._broadcast import broadcast_object
 from ._collectives import group_job, reduce
+from ._options import checked
 from .errors import ConfigurationError
 
 _KINDS = ("python", "numpy", "torch", "cuda")
@@ -30,6 +32,11 @@ def _flag(value: Any, call: str) -> bool | torch.Tensor:
                 "reduce it first, e.g. any_rank(torch.isnan(loss).any())."
             )
         return (value.detach().reshape(()) != 0).to(torch.int32)
+    if not isinstance(value, numbers.Number) and not callable(getattr(value, "item", None)):
+        # a str ('no' is truthy), None or a container: its truth is no flag's
+        raise ConfigurationError(
+            f"{call} takes a bool, a number or a one-element tensor, got {value!r}; e.g. "
+            "any_rank(loss.isnan()), all_ranks(epoch_done).")
     try:
         return bool(value)
     except Exception as exc:  # e.g. an object whose __bool__ raises
@@ -44,6 +51,7 @@ def _decide(value: Any, op: str, call: str) -> bool:
     return bool(reduce(tensor, "max" if op == "any" else "min").item())
 
 
+@checked
 def any_rank(flag: Any) -> bool:
     """True on every rank when ``flag`` is true on at least one rank.
 
@@ -64,6 +72,7 @@ def any_rank(flag: Any) -> bool:
     return _decide(flag, "any", "any_rank()")
 
 
+@checked
 def all_ranks(flag: Any) -> bool:
     """True on every rank when ``flag`` is true on every rank (e.g. "all are done").
 
@@ -80,6 +89,7 @@ def all_ranks(flag: Any) -> bool:
     return _decide(flag, "all", "all_ranks()")
 
 
+@checked
 def synchronize_rng_states(
     kinds: Iterable[str] = _KINDS,
     generators: Iterable[torch.Generator] = (),
@@ -103,6 +113,9 @@ def synchronize_rng_states(
         ...     synchronize_rng_states(["python", "torch"])
         ...     x = random.random()
     """
+    if isinstance(kinds, str):  # iterating 'torch' would give its letters
+        raise ConfigurationError(
+            f"synchronize_rng_states(kinds={kinds!r}): give a list of kinds, e.g. [{kinds!r}].")
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in _KINDS]
     if unknown:
@@ -118,7 +131,11 @@ def synchronize_rng_states(
                 f"{type(g).__name__}."
             )
     job = group_job()
-    if job is None:
+    if job is None:  # with several ranks broadcast_object checks src with all of them
+        if isinstance(src, bool) or not isinstance(src, int) or src != 0:
+            raise ConfigurationError(
+                f"synchronize_rng_states(src={src!r}): a single process has only rank 0: give "
+                "src=0.")
         return
     mine = _states(kinds, generators) if job.rank == src else None
     states = broadcast_object(mine, src=src)

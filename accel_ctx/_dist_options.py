@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from . import _comm_hook, _env
 from ._comm_hook import PowerSGD
+from ._options import flag, unknown_option
 from .errors import ConfigurationError, LaunchEnvironmentError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -155,16 +156,14 @@ def _bucket_cap(value: Any) -> float | None:
     return float(value)
 
 
-def parse_options(options: Mapping[str, Any]) -> DistributedOptions:
-    """Check every option where it is given; raises ConfigurationError naming option and fix."""
+def parse_options(options: Mapping[str, Any], call: str = "distributed",
+                  own: tuple[str, ...] = ()) -> DistributedOptions:
+    """Check every option where it is given; raises ConfigurationError naming option and fix.
+
+    ``call`` and its ``own`` options name the scope that took them (``sharded()``)."""
     for name in options:
         if name not in OPTION_NAMES:
-            close = difflib.get_close_matches(name, OPTION_NAMES, n=1)
-            hint = f" Did you mean {close[0]!r}?" if close else ""
-            raise ConfigurationError(
-                f"distributed() got an unknown option {name!r}.{hint} Valid options: "
-                f"{', '.join(OPTION_NAMES)}."
-            )
+            raise unknown_option(call, name, own + OPTION_NAMES)
     values = dict(options)
     values["timeout"] = _timeout(values.get("timeout", DEFAULT_TIMEOUT))
     values["device"] = _device(values.get("device"))
@@ -172,9 +171,9 @@ def parse_options(options: Mapping[str, Any]) -> DistributedOptions:
     values["init_method"] = _init_method(values.get("init_method"))
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
-    for flag in _FLAGS:
-        if flag in values and not isinstance(values[flag], bool):
-            raise _bad(flag, values[flag], "give True or False.")
+    for name in _FLAGS:
+        if name in values:
+            flag(call, name, values[name])
     return DistributedOptions(**values)
 
 

@@ -26,6 +26,7 @@ from ._dist_options import (
 from ._eval_passes import verdict
 from ._group import start_job
 from ._job import Job
+from ._options import checked
 from ._precision import check_env_policy, precision_from_env
 from ._progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
 from ._replica_inputs import check_first_inputs
@@ -38,6 +39,7 @@ __all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distr
            "open_runtime"]
 
 
+@checked
 class distributed(Scope):
     """Run the enclosed training code data-parallel on every process of the job.
 

@@ -16,6 +16,7 @@ from . import _debug, _state
 from ._blame import collective
 from ._collectives import _ADVICE, gather_tensor, group_job, meta_device, travel_type
 from ._exchange import PADDING, describe, exchange
+from ._options import checked, flag
 from ._session import LoaderIteration
 from ._skeleton import merge, rebuild_mapping, rebuild_sequence
 from ._tree import iter_tensors, map_tensors
@@ -26,6 +27,7 @@ Item = TypeVar("Item")
 
 
 @collective
+@checked
 def gather_for_metrics(obj: T) -> T:
     """Gather one evaluation batch from every rank, without the samples padding repeated.
 
@@ -156,6 +158,7 @@ def split_between_processes(items: Dataset[Item], *, pad: bool = False) -> Datas
 def split_between_processes(items: T, *, pad: bool = False) -> T: ...
 
 
+@checked
 def split_between_processes(items: Any, *, pad: bool = False) -> Any:
     """This rank's contiguous part of ``items``: any sequence with ``len()`` and indexing.
 
@@ -175,6 +178,7 @@ def split_between_processes(items: Any, *, pad: bool = False) -> Any:
         >>> split_between_processes(["a cat", "a dog", "a bird"])  # one process: everything
         ['a cat', 'a dog', 'a bird']
     """
+    flag("split_between_processes", "pad", pad)
     where = _state.coordinates()
     world, rank = where.world_size, where.rank
     if world == 1:

@@ -34,6 +34,7 @@ from ._join import refuse_forward
 from ._session import Session
 from .errors import ConfigurationError, DistributedError
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 BlockSpec = tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None
 """Which submodules are sharded on their own: classes, a predicate, or None (found)."""
 
@@ -119,6 +120,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
                 and any(True for _ in module.parameters()))
     if meta:
         _check_meta_init(module)
+    _check_blocks(module, plan.blocks)
     before = dict(module.named_parameters())
     settle_dtypes(module, find_blocks(module, plan.blocks), _compute_dtype(), job.rank == 0)
     if sharding:
@@ -196,6 +198,37 @@ def find_blocks(module: nn.Module, spec: BlockSpec) -> list[nn.Module]:
     else:
         matches = [m for m in module.modules() if m is not module and spec(m)]
     return list(reversed(matches))  # descendants before their ancestors
+
+
+def _check_blocks(module: nn.Module, spec: BlockSpec) -> None:
+    """Blocks asked for that the model does not have: refused before anything is sharded, in
+    one process too (otherwise only the root would be sharded, every parameter gathered at
+    each forward, without a word), naming the classes the model has that could be blocks."""
+    if spec is None or find_blocks(module, spec) or not any(True for _ in module.parameters()):
+        return
+    repeated: list[nn.Module] = []
+    _find_repeated(module, repeated)  # the best candidates: listed first
+    counts: dict[type[nn.Module], int] = {}
+    for sub in module.modules():
+        if sub is not module and not isinstance(sub, _CONTAINERS) and any(
+                True for _ in sub.parameters()):
+            counts[type(sub)] = counts.get(type(sub), 0) + 1
+    kinds = sorted(counts, key=lambda c: not any(type(m) is c for m in repeated))
+    found = ", ".join(f"{c.__name__} (x{counts[c]})" for c in kinds[:8]) or "none"
+    if isinstance(spec, tuple):
+        asked = f"[{', '.join(c.__name__ for c in spec)}]"
+        names = " or ".join(c.__name__ for c in spec)
+        why = f"no submodule of this {type(module).__name__} is a {names}"
+    else:
+        asked = getattr(spec, "__qualname__", repr(spec))
+        why = f"the function matches no submodule of this {type(module).__name__}"
+    example = kinds[0] if kinds else None
+    raise ConfigurationError(
+        f"sharded(blocks={asked}): {why}, so only the whole model would be sharded (every "
+        f"parameter gathered at once in each forward). Classes in the model that could be "
+        f"blocks: {found}. Name some of them"
+        + (f" (sharded(blocks=[{example.__name__}]))" if example is not None else "")
+        + ", or leave blocks=None to find the repeated layers.")
 
 
 def _find_repeated(module: nn.Module, found: list[nn.Module]) -> None:

@@ -7,6 +7,8 @@ from collections.abc import MutableMapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import _state
+from ._options import checked, flag, text
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     _Adapter = logging.LoggerAdapter[logging.Logger]
@@ -37,6 +39,7 @@ class _RankLogger(_Adapter):
         return msg, kwargs
 
 
+@checked
 def get_logger(
     name: str | None = None, *, all_ranks: bool = False, level: int | str | None = None
 ) -> logging.LoggerAdapter[logging.Logger]:
@@ -59,10 +62,22 @@ def get_logger(
         0 epoch 1
         >>> logging.getLogger("train").removeHandler(handler)
     """
+    text("get_logger", "name", name)
+    flag("get_logger", "all_ranks", all_ranks)
+    if level is not None and not _known_level(level):
+        raise ConfigurationError(
+            f"get_logger(level={level!r}): give a logging level: a number such as logging.INFO "
+            "or a name: 'DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL'; or None.")
     logger = logging.getLogger(name)
     if level is not None:
         logger.setLevel(level)
     return _RankLogger(logger, all_ranks)
+
+
+def _known_level(level: object) -> bool:
+    if isinstance(level, str):
+        return isinstance(logging.getLevelName(level), int)  # a name logging knows
+    return isinstance(level, int) and not isinstance(level, bool) and level >= 0
 
 
 class _Writable(Protocol):
@@ -70,6 +85,7 @@ class _Writable(Protocol):
     def flush(self) -> Any: ...
 
 
+@checked
 def main_print(
     *values: object, sep: str | None = " ", end: str | None = "\n",
     file: _Writable | None = None, flush: bool = False,
@@ -85,5 +101,8 @@ def main_print(
         >>> main_print("epoch", 1, "done")
         epoch 1 done
     """
+    text("main_print", "sep", sep)  # checked on every rank, as print() would on rank 0
+    text("main_print", "end", end)
+    flag("main_print", "flush", flush)
     if _state.coordinates().rank == 0:
         print(*values, sep=sep, end=end, file=file, flush=flush)

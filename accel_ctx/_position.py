@@ -10,6 +10,7 @@ consumed without loading it. ``save_state``/``load_state`` keep positions this w
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from . import _data, _state
 from ._collectives import gather_object, group_job
+from ._options import checked
+from ._shard import check_skip
 from .errors import ConfigurationError
 
 
@@ -93,6 +96,7 @@ def _check_loader(loader: Any, call: str) -> None:
         )
 
 
+@checked
 def loader_state(loader: Any) -> dict[str, Any]:
     """Where ``loader`` stands in its epoch, as plain data to keep in your own checkpoint.
 
@@ -127,10 +131,12 @@ def loader_state(loader: Any) -> dict[str, Any]:
     entry = position(loader, None, list(yields))
     del entry["name"]
     entry["generator"] = generator_state(loader)
+    entry["batches"] = _global_batches(loader)  # the epoch's size: checked when loaded
     return entry
 
 
-def load_loader_state(loader: Any, saved: dict[str, Any]) -> None:
+@checked
+def load_loader_state(loader: Any, saved: Mapping[str, Any]) -> None:
     """Make ``loader``'s next iteration continue where :func:`loader_state` found it.
 
     The next ``for batch in loader`` (inside a scope) replays the saved epoch's start and
@@ -138,6 +144,17 @@ def load_loader_state(loader: Any, saved: dict[str, Any]) -> None:
     one. Call it before iterating. See :func:`loader_state` for an example.
     """
     _check_loader(loader, "load_loader_state()")
+    if not isinstance(saved, Mapping):
+        raise ConfigurationError(
+            f"load_loader_state(loader, {_short(saved)}): give the dict loader_state() returned "
+            f"for this loader, not a {type(saved).__name__}.")
+    if ("stateful" in saved) != _stateful(loader):
+        theirs = ("the own state of a loader with state_dict() (StatefulDataLoader)"
+                  if "stateful" in saved else "the position of a plain DataLoader")
+        mine = "keeps its own state" if _stateful(loader) else "has no state_dict()"
+        raise ConfigurationError(
+            f"load_loader_state(): the saved state is {theirs}, and this "
+            f"{type(loader).__name__} {mine}; pass the state loader_state() gave for this loader.")
     if "stateful" in saved:
         loader.load_state_dict(saved["stateful"])
         return
@@ -147,9 +164,46 @@ def load_loader_state(loader: Any, saved: dict[str, Any]) -> None:
             f"load_loader_state(): the saved position lacks {sorted(missing)}; pass the dict "
             "loader_state() returned."
         )
-    apply_position(loader, _state.loader_record(loader), saved, saved.get("generator"))
+    _check_fits(loader, saved)
+    apply_position(loader, _state.loader_record(loader), dict(saved), saved.get("generator"))
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _check_fits(loader: DataLoader[Any], saved: Mapping[str, Any]) -> None:
+    """A position must be of an epoch like this loader's: another loader's (other data, batch
+    size or drop_last) would skip the wrong batches, or all of them, without a word."""
+    for key in ("epoch", "consumed"):
+        value = saved[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigurationError(
+                f"load_loader_state(): the saved {key}={value!r} is not a count >= 0; pass the "
+                "dict loader_state() returned.")
+    if not isinstance(saved["finished"], bool):
+        raise ConfigurationError(
+            f"load_loader_state(): the saved finished={saved['finished']!r} is not a bool; pass "
+            "the dict loader_state() returned.")
+    total = None if _data._already_sharded(loader) else _global_batches(loader)
+    if total is None:
+        return  # a stream without len(), or a loader whose length depends on the ranks
+    size = saved.get("batches")
+    if isinstance(size, int) and size != total:
+        raise ConfigurationError(
+            f"load_loader_state(): the saved position is of a loader with {size} batches per "
+            f"epoch (all ranks together), and this loader has {total}. Pass the state "
+            "loader_state() gave for this loader (same data, batch size and drop_last).")
+    if saved["consumed"] > total:
+        raise ConfigurationError(
+            f"load_loader_state(): the saved position has {saved['consumed']} batches of its "
+            f"epoch consumed, and this loader has {total} per epoch (all ranks together). Pass "
+            "the state loader_state() gave for this loader (same data, batch size and "
+            "drop_last).")
+
+
+@checked
 def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]:
     """Make the next epoch of ``loader`` start after its first ``batches`` batches (this rank's).
 
@@ -179,5 +233,10 @@ def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]
             f"skip_first_batches(loader, {batches!r}): give the number of batches to skip, an "
             "int >= 0."
         )
+    stack = _state.current()
+    record = _state.peek_loader_record(loader)
+    pending = record.resume_skip if record is not None else 0
+    iterable = isinstance(loader.dataset, IterableDataset)
+    check_skip(batches, _data._total(loader, iterable), _data.plan_for(loader, stack, pending))
     _state.loader_record(loader).skip_batches = batches
     return loader

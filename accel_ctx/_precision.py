@@ -29,6 +29,7 @@ from torch import nn
 from . import _env, _state
 from ._concern import Concern, ForwardCall, Grads
 from ._loss_scale import LossScaler
+from ._options import checked, positive, whole
 from ._precision_names import canonical
 from ._scope import Scope
 from ._session import Session
@@ -277,6 +278,7 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
     return runtime
 
 
+@checked
 class mixed_precision(Scope):
     """Run forwards in reduced precision inside the scope: ``"bf16"``, ``"fp16"`` or ``"no"``.
 
@@ -328,7 +330,14 @@ class mixed_precision(Scope):
         if policy is not None:
             _policy_name(policy)  # fail at the call site, not at entry
             _report_launcher_conflict(policy)
-        self._options = (output_dtype, float(init_scale), int(growth_interval))
+        self._options = (
+            output_dtype,
+            positive("mixed_precision", "init_scale", init_scale,
+                     "give the first fp16 loss scale, a positive finite number (default 65536)."),
+            whole("mixed_precision", "growth_interval", growth_interval, 1,
+                  "give the number of clean steps before the scale doubles, an int >= 1 "
+                  "(default 2000)."),
+        )
 
     def _open(self, exits: ExitStack) -> PrecisionRuntime:
         output_dtype, init_scale, growth_interval = self._options
@@ -366,6 +375,7 @@ def _device_type_of(instance: Any, args: tuple[Any, ...], runtime: PrecisionRunt
     return runtime.device_type or "cpu"
 
 
+@checked
 def autocast_forward(fn: F) -> F:
     """Run ``fn`` (a forward, any function or method) under the active precision policy.
 
@@ -392,6 +402,10 @@ def autocast_forward(fn: F) -> F:
             f"@autocast_forward decorates functions and methods, not the class {fn.__qualname__};"
             " decorate its forward method instead."
         )
+    if not callable(fn):
+        raise TypeError(
+            f"@autocast_forward decorates functions and methods, got a {type(fn).__name__}; "
+            "write it on the line above a def (e.g. a module's forward).")
 
     def run(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         runtime = _precision_for_here()

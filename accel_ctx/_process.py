@@ -39,6 +39,7 @@ from typing_extensions import ParamSpec
 
 from . import _barrier, _blame, _debug, _state
 from ._job import Job
+from ._options import checked, flag
 from ._warn import warn_user
 from .errors import ConfigurationError
 
@@ -177,6 +178,7 @@ def on_main_process(
 def on_main_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
 @overload
 def on_main_process() -> ProcessFilter: ...
+@checked
 def on_main_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None] | ProcessFilter:
     """Run the function on the main process (rank 0 of the job) only; elsewhere it returns None.
 
@@ -207,6 +209,7 @@ def on_local_main_process(
 def on_local_main_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
 @overload
 def on_local_main_process() -> ProcessFilter: ...
+@checked
 def on_local_main_process(
     fn: Callable[P, R] | None = None, /
 ) -> Callable[P, R | None] | ProcessFilter:
@@ -238,6 +241,7 @@ def on_last_process(
 def on_last_process(fn: Callable[P, R], /) -> Callable[P, R | None]: ...
 @overload
 def on_last_process() -> ProcessFilter: ...
+@checked
 def on_last_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None] | ProcessFilter:
     """Run the function on the last process (rank world_size - 1) only; elsewhere it returns None.
 
@@ -257,6 +261,7 @@ def on_last_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None
     return selector if fn is None else selector(fn)
 
 
+@checked
 def on_process(rank: int) -> ProcessFilter:
     """Run the function on the process of the given rank only; elsewhere it returns None.
 
@@ -279,6 +284,7 @@ def on_process(rank: int) -> ProcessFilter:
                          who=f"only rank {rank} runs it")
 
 
+@checked
 def wait_for_everyone() -> None:
     """Wait until every process of the job reaches this call; at once in a single process.
 
@@ -302,6 +308,7 @@ def wait_for_everyone() -> None:
 
 
 @contextlib.contextmanager
+@checked
 def main_process_first(*, local: bool = False) -> Iterator[None]:
     """Run the block on the main process first, then on the others (downloads, preprocessing).
 
@@ -319,6 +326,7 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
         >>> data
         [0, 1, 2]
     """
+    flag("main_process_first", "local", local)
     job, rank, world, local_rank, _ = _position()
     if job is None or world == 1:
         yield

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import ConfigurationError
+
 EMPTY: Any = object()
 
 
@@ -53,6 +55,24 @@ class ShardPlan:
         if self.drop:
             return self.skip + self.world * self.full_rounds(total)
         return total
+
+
+def check_skip(batches: int, total: int | None, plan: ShardPlan) -> None:
+    """Refuse ``skip_first_batches(loader, batches)`` past the end of the epoch ``plan`` (its
+    ``skip``: a resume pending) would run: the epoch would end at once, without a word. The
+    largest share counts (rank 0's), so every rank decides alike."""
+    if total is None:
+        return  # a stream without len(): its end is not known before it comes
+    largest = ShardPlan(0, plan.world, plan.even, plan.skip, plan.drop).share(total)
+    if batches <= largest:
+        return
+    each = "this rank's" if plan.world > 1 else "the"
+    over = f" (of {total} over {plan.world} ranks)" if plan.world > 1 else ""
+    raise ConfigurationError(
+        f"skip_first_batches(loader, {batches}): {each} epoch has {largest} batches{over}, so "
+        f"skipping {batches} would leave the epoch empty. Give the number of batches this rank "
+        f"consumed in the epoch (at most {largest}); to resume where a run stopped, save "
+        "loader_state(loader) and pass it to load_loader_state().")
 
 
 class ShardedIndices:

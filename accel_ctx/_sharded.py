@@ -12,12 +12,17 @@ from ._concern import Concern
 from ._dist_options import DistributedOptions, Options, parse_options
 from ._distributed import DistributedRuntime, open_runtime
 from ._fsdp import BlockSpec, ShardingPlan
+from ._options import checked, flag
 from ._scope import Scope
 from .errors import ConfigurationError
 
 __all__ = ["sharded"]
 
 
+_OWN = ("blocks", "reshard_after_forward", "cpu_offload", "shard_size", "hybrid")
+
+
+@checked
 class sharded(Scope):
     """Shard the parameters, gradients and optimizer states of the models over the ranks.
 
@@ -72,9 +77,10 @@ class sharded(Scope):
                  shard_size: int | None = None, hybrid: bool = False,
                  **options: Unpack[Options]) -> None:
         super().__init__()
+        self.options: DistributedOptions = parse_options(options, "sharded", _OWN)
         self.plan = ShardingPlan(_blocks(blocks), _reshard(reshard_after_forward),
-                                 bool(cpu_offload), _shard_size(shard_size), bool(hybrid))
-        self.options: DistributedOptions = parse_options(options)
+                                 flag("sharded", "cpu_offload", cpu_offload),
+                                 _shard_size(shard_size), flag("sharded", "hybrid", hybrid))
 
     def _open(self, exits: ExitStack) -> DistributedRuntime | tuple[Concern, ...]:
         return open_runtime(self.options, exits, self.plan)

@@ -10,6 +10,7 @@ import torch
 from . import _state
 from ._accumulate import AccumulateRuntime
 from ._job import Job
+from ._options import checked
 from ._precision import PrecisionRuntime
 from ._session import Session
 
@@ -118,6 +119,7 @@ def _where(job: Job) -> dict[str, Any]:
             "distributed": True}
 
 
+@checked
 def state() -> State:
     """Where this process stands: rank, world size, device and the active settings.
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _state
+from ._options import checked, file_path, positive, text, unknown_option, whole
 from ._warn import warn_user
 from .errors import ConfigurationError
 
@@ -35,6 +36,7 @@ def _optional(name: str) -> Any | None:
         return None
 
 
+@checked
 def progress(iterable: Iterable[T], desc: str | None = None, total: int | None = None,
              *, every_s: float = 10.0, **tqdm_options: Any) -> Iterator[T]:
     """Yield ``iterable``'s items on every rank; draw a progress bar on the main process only.
@@ -49,6 +51,37 @@ def progress(iterable: Iterable[T], desc: str | None = None, total: int | None =
         >>> sum(progress(range(5), desc="demo", disable=True))
         10
     """
+    if not hasattr(iterable, "__iter__") and not hasattr(iterable, "__getitem__"):
+        raise ConfigurationError(
+            f"progress({_short(iterable)}): give something to loop over (a DataLoader, a range, "
+            f"a list), not a {type(iterable).__name__}.")
+    text("progress", "desc", desc)
+    if total is not None:
+        whole("progress", "total", total, 0, "give the number of items, an int >= 0, or None.")
+    positive("progress", "every_s", every_s, "give the seconds between lines, a number >= 0.",
+             zero=True)
+    for name in tqdm_options:
+        if name not in _TQDM_OPTIONS:
+            raise unknown_option("progress", name, ("iterable", "desc", "total", "every_s",
+                                                    *_TQDM_OPTIONS))
+    return _progress(iterable, desc, total, every_s, tqdm_options)
+
+
+# tqdm's own options (tqdm.tqdm.__init__), passed through: checked on every rank, not only on
+# the rank that draws the bar, and also where tqdm is not installed
+_TQDM_OPTIONS = ("leave", "file", "ncols", "mininterval", "maxinterval", "miniters", "ascii",
+                 "disable", "unit", "unit_scale", "dynamic_ncols", "smoothing", "bar_format",
+                 "initial", "position", "postfix", "unit_divisor", "write_bytes", "lock_args",
+                 "nrows", "colour", "delay", "gui")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _progress(iterable: Iterable[T], desc: str | None, total: int | None, every_s: float,
+              tqdm_options: dict[str, Any]) -> Iterator[T]:
     if total is None:
         try:
             total = len(iterable)  # type: ignore[arg-type]
@@ -89,6 +122,7 @@ def _number(name: str, value: Any) -> float | None:
     return None
 
 
+@checked
 def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *,
                 directory: str | os.PathLike[str] | None = None) -> None:
     """Record ``metrics`` (name -> number) at ``step`` on the main process, with every tracker
@@ -114,6 +148,11 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *,
     if not isinstance(metrics, Mapping):
         raise ConfigurationError(
             f"log_metrics() takes a dict of name -> number, got {type(metrics).__name__}.")
+    if step is not None:  # checked on every rank, before anything is written
+        step = whole("log_metrics", "step", step, 0,
+                     "give the step, an int >= 0, or None for state().step.")
+    if directory is not None:
+        file_path("log_metrics", "directory", directory)
     if _state.coordinates().rank != 0:
         return
     if step is None:

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.utils.data import DataLoader
 
 from .. import _state
+from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
 
@@ -80,8 +81,10 @@ def as_stock_torch() -> Iterator[None]:
 
 
 # ---- the objects -------------------------------------------------------------------------------
-def split(objects: dict[str, Any], caller: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(objects with a state_dict, DataLoaders), refusing anything else."""
+def split(objects: dict[str, Any], caller: str, options: tuple[str, ...] = ()
+          ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(objects with a state_dict, DataLoaders), refusing anything else (a misspelt option
+    among them: "did you mean")."""
     stateful, loaders = {}, {}
     for name, obj in objects.items():
         if isinstance(obj, DataLoader):
@@ -90,6 +93,8 @@ def split(objects: dict[str, Any], caller: str) -> tuple[dict[str, Any], dict[st
             getattr(obj, "load_state_dict", None)
         ):
             stateful[name] = obj
+        elif close_option(name, options) is not None:
+            raise unknown_option(caller, name, options)
         else:
             raise ConfigurationError(
                 f"{caller}({name}=...): a {type(obj).__name__} has no state_dict()/"

@@ -18,6 +18,7 @@ from .. import _adopt, _fsdp, _position, _state
 from .._accumulate import AccumulateRuntime
 from .._blame import collective
 from .._distributed import DistributedRuntime
+from .._options import checked, file_path, flag
 from .._warn import warn_user
 from ..errors import CheckpointError
 from . import rng
@@ -54,6 +55,7 @@ class Resumed:
 
 
 @collective
+@checked
 def load_state(directory: str | os.PathLike[str], *, required: bool = False,
                **objects: Any) -> Resumed:
     """Load the newest complete checkpoint under ``directory`` into ``objects``; all ranks call it.
@@ -89,7 +91,9 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     from . import dcp as objs
     from . import files, find, guard
 
-    stateful, named_loaders = objs.split(objects, "load_state")
+    file_path("load_state", "directory", directory)
+    flag("load_state", "required", required)
+    stateful, named_loaders = objs.split(objects, "load_state", ("required",))
     guard.arrive("load_state()")
     stack = _state.current()
     rank, world = objs.rank_world()

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from .._blame import collective
+from .._options import checked, file_path
 from .._warn import warn_user
+from ..errors import ConfigurationError
 
 
 def _safetensors_available() -> bool:
@@ -20,6 +22,7 @@ def _safetensors_available() -> bool:
 
 
 @collective
+@checked
 def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     """Write ``model``'s weights to ``path`` from rank 0, atomically; call it on every rank.
 
@@ -48,6 +51,11 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     from . import dcp as objs  # imported here: DCP is slow to import
     from .guard import arrive, explain
 
+    if not isinstance(model, nn.Module):
+        raise ConfigurationError(
+            f"save_model(model=...) takes a torch.nn.Module, got {type(model).__name__}: "
+            "save_model(model, 'model.safetensors').")
+    file_path("save_model", "path", path)
     arrive("save_model()")
     target = Path(path)
     use_safetensors = target.suffix == ".safetensors"

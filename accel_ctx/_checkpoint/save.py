@@ -18,6 +18,7 @@ from torch import nn
 
 from .. import _position, _state
 from .._blame import collective
+from .._options import checked, file_path
 from .._precision import PrecisionRuntime
 from ..errors import ConfigurationError
 from . import rng
@@ -27,6 +28,7 @@ from . import state as owned
 # save or load, never by ``import accel_ctx``.
 
 @collective
+@checked
 def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
                **objects: Any) -> Path:
     """Save a checkpoint of the training state, atomically; call it on every rank.
@@ -57,6 +59,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
         >>> save_state(tempfile.mkdtemp(), model=model, optimizer=opt).name
         'ckpt-000001-step0'
     """
+    file_path("save_state", "directory", directory)
     if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
                                   or keep_last < 1):
         raise ConfigurationError(
@@ -66,7 +69,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     from . import dcp as objs
     from . import files, guard
 
-    stateful, named_loaders = objs.split(objects, "save_state")
+    stateful, named_loaders = objs.split(objects, "save_state", ("keep_last",))
     guard.arrive("save_state()")
     root = Path(directory)
     stack = _state.current()

@@ -1,8 +1,8 @@
 """The launcher wing: ``launch(fn)`` and the ``accel-ctx`` commands, beside the core.
 
-It imports no core module, only leaves (``errors``, ``_env``, ``_precision_names``), so the
-``accel-ctx`` commands and ``launch()`` never load the scopes. ``accel_ctx.launch`` loads
-:mod:`.fn` on first use; ``accel_ctx.cli`` loads the rest.
+It imports no core module, only leaves (``errors``, ``_env``, ``_precision_names``,
+``_options``), so the ``accel-ctx`` commands and ``launch()`` never load the scopes.
+``accel_ctx.launch`` loads :mod:`.fn` on first use; ``accel_ctx.cli`` loads the rest.
 
 * :mod:`.settings`: the one table of launcher settings (a new setting is one entry there).
 * :mod:`.args`: ``accel-ctx launch`` arguments -> torchrun's arguments (pure);

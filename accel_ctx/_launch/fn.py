@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Literal, TypeVar
 
 from .. import _env
+from .._options import checked, positive
 from ..errors import ConfigurationError, DistributedError
 from .nproc import check_process_count, local_gpus
 
@@ -42,6 +43,7 @@ class _RemoteTraceback(Exception):
         return self.text
 
 
+@checked
 def launch(
     fn: Callable[..., R],
     nprocs: int | Literal["auto"] = "auto",
@@ -79,7 +81,23 @@ def launch(
         >>> launch(pow, nprocs=2, args=(2, 10))
         1024
     """
+    if not callable(fn):
+        raise ConfigurationError(
+            f"launch({fn!r}): give the function to run on every process, e.g. launch(train, 2).")
     world = _count(nprocs)
+    if not isinstance(args, (tuple, list)):
+        raise ConfigurationError(
+            f"launch(args={args!r}): give the positional arguments as a tuple, e.g. args=(cfg,).")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise ConfigurationError(f"launch(kwargs={kwargs!r}): give a dict of keyword arguments.")
+    if env is not None and not (isinstance(env, Mapping) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise ConfigurationError(
+            f"launch(env={env!r}): give a dict of environment variables, names and values as "
+            "str (e.g. env={'OMP_NUM_THREADS': '1'}).")
+    if timeout is not None:
+        positive("launch", "timeout", timeout, "give the seconds the job may run, or None.")
+    args = tuple(args)
     kwargs = dict(kwargs or {})
     if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
         raise ConfigurationError(
