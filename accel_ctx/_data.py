@@ -106,7 +106,7 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     skip, resume_rng = record.resume_skip, record.resume_rng
     this_pass = _state.LoaderPass(session.backward_calls,
                                   (skip, resume_rng, record.skip_batches))
-    record.last_pass = this_pass
+    record.last_pass = None  # set once the pass has started
     record.resume_skip, record.resume_rng = 0, None
     if record.skip_batches:  # skip_first_batches(): this rank's batches, W global ones each
         batches, record.skip_batches = record.skip_batches, 0
@@ -149,6 +149,7 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         this_pass.metric_gathers_start = job.root.metric_gathers
         this_pass.no_grad = True if not torch.is_grad_enabled() else job.root.no_grad_forwards
         this_pass.where = here()
+    record.last_pass = this_pass
     return it
 
 

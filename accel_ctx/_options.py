@@ -14,7 +14,7 @@ Example:
     >>> train(10, lrr=0.5)
     Traceback (most recent call last):
     ...
-    accel_ctx.errors.ConfigurationError: train() got an unknown option 'lrr'. Did you mean 'lr'? ...
+    accel_ctx.errors.ArgumentError: train() got an unknown option 'lrr'. Did you mean 'lr'? ...
 """
 
 from __future__ import annotations
@@ -26,18 +26,18 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .errors import ConfigurationError
+from .errors import ArgumentError, ConfigurationError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def unknown_option(call: str, name: str, valid: Iterable[str]) -> ConfigurationError:
+def unknown_option(call: str, name: str, valid: Iterable[str]) -> ArgumentError:
     """The error for an option ``call()`` does not take: the closest valid one and the list."""
     names = list(dict.fromkeys(valid))
     close = close_option(name, names)
     hint = f" Did you mean {close!r}?" if close else ""
     listed = f"Valid options: {', '.join(names)}." if names else f"{call}() takes no options."
-    return ConfigurationError(f"{call}() got an unknown option {name!r}.{hint} {listed}")
+    return ArgumentError(f"{call}() got an unknown option {name!r}.{hint} {listed}")
 
 
 def close_option(name: str, valid: Iterable[str]) -> str | None:
@@ -50,7 +50,8 @@ def close_option(name: str, valid: Iterable[str]) -> str | None:
 
 def checked(obj: F) -> F:
     """Turn Python's bare ``TypeError`` for a call that does not fit the signature (an unknown
-    keyword, too many or missing arguments) into a ConfigurationError that names the function
+    keyword, too many or missing arguments) into an ArgumentError (a ConfigurationError and a
+    TypeError, so ``except`` clauses for either keep working) that names the function
     and, for a misspelt keyword, the option meant. On a class, its ``__init__`` is checked.
 
     Only errors raised while binding the arguments are translated (the callee never started);
@@ -79,7 +80,7 @@ def _checking(fn: Callable[..., Any], call: str, method: bool) -> Callable[..., 
 
 
 def _misfit(fn: Callable[..., Any], call: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-            method: bool) -> ConfigurationError:
+            method: bool) -> ArgumentError:
     import inspect
 
     params = list(inspect.signature(fn).parameters.values())[1 if method else 0:]
@@ -96,7 +97,7 @@ def _misfit(fn: Callable[..., Any], call: str, args: tuple[Any, ...], kwargs: di
         reason = "its arguments do not fit"
     except TypeError as why:
         reason = str(why)
-    return ConfigurationError(f"{call}(): {reason}. Call it as {call}{signature}.")
+    return ArgumentError(f"{call}(): {reason}. Call it as {call}{signature}.")
 
 
 # ---- values --------------------------------------------------------------------------------

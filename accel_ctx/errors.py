@@ -16,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "AccelCtxError",
+    "ArgumentError",
     "CheckpointError",
     "ConfigurationError",
     "DistributedError",
@@ -47,6 +48,21 @@ class ConfigurationError(AccelCtxError, ValueError):
         ...     accumulate(0)
         ... except ConfigurationError:
         ...     pass
+    """
+
+
+class ArgumentError(ConfigurationError, TypeError):
+    """A call does not fit the function: a misspelt keyword ("did you mean"), a missing or an
+    extra argument. Also a ``TypeError``, the error Python itself raises for such a call.
+
+    Example:
+        >>> from accel_ctx import mixed_precision
+        >>> from accel_ctx.errors import ArgumentError
+        >>> try:
+        ...     mixed_precision("bf16", init_scal=2.0)
+        ... except TypeError as e:
+        ...     print(type(e).__name__, "|", str(e).split(".")[1].strip())
+        ArgumentError | Did you mean 'init_scale'?
     """
 
 
