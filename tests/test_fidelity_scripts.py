@@ -1,0 +1,43 @@
+"""A third-party script run as its authors run it (torchrun + DDP) and migrated with the smallest
+change (``accel-ctx launch``): the PyTorch DDP tutorial's trainer, which peeks at a batch before
+its own ``set_epoch``, saves ``model.module.state_dict()`` and pickles the whole model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from ._launcher import ROOT, SCRIPTS, finish, start, stop_all
+
+LINES = re.compile(r"(rank \d+ epoch \d+ batches [0-9a-f]{12}|rank \d+ weights [0-9a-f]{12}"
+                   r"|loaded epochs_run \d+ [0-9a-f]{12})")
+
+
+@pytest.fixture(autouse=True)
+def _no_launcher_left():
+    yield
+    stop_all()
+
+
+def _facts(output: str) -> set[str]:
+    return set(LINES.findall(output))
+
+
+def test_the_ddp_tutorial_migrated_trains_on_the_same_batches_and_saves_what_loads(tmp_path):
+    script = str(SCRIPTS / "ddp_tutorial.py")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    by_hand = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         script, str(tmp_path / "hand.pt")],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert by_hand.returncode == 0, by_hand.stdout + by_hand.stderr
+    proc, log = start(["-n", "2", script, str(tmp_path / "accel.pt"), "--accel"], tmp_path,
+                      "accel.log")
+    assert finish(proc, timeout=180) == 0, log.read_text()
+    reference, migrated = _facts(by_hand.stdout), _facts(log.read_text())
+    assert len(reference) == 2 * 3 + 2 + 1  # per rank: 3 epochs and the weights; the load
+    assert migrated == reference
