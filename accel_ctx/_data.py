@@ -29,7 +29,7 @@ from . import _data_order, _eval_passes, _state
 from ._epochs import tell_epoch
 from ._join import UnevenTail
 from ._progress import here
-from ._session import LoaderIteration
+from ._session import LoaderIteration, Session
 from ._shard import EMPTY as _EMPTY
 from ._shard import ShardedIndices as _ShardedIndices
 from ._shard import ShardPlan, check_skip
@@ -98,14 +98,13 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     if job is not None and torch.is_grad_enabled():  # training goes on: judge an evaluation
         _eval_passes.verdict(job)
     previous = record.last_pass
-    if previous is not None and _was_a_peek(previous, session.backward_calls):
+    if previous is not None and _was_a_peek(previous, session):
         # that pass was not an epoch: this one is the epoch it began, from the same position
         record.epoch -= 1
         record.resume_skip, record.resume_rng, record.skip_batches = previous.resume
     iterable = isinstance(loader.dataset, IterableDataset)
     skip, resume_rng = record.resume_skip, record.resume_rng
-    this_pass = _state.LoaderPass(session.backward_calls,
-                                  (skip, resume_rng, record.skip_batches))
+    this_pass = _state.LoaderPass(session, (skip, resume_rng, record.skip_batches))
     record.last_pass = None  # set once the pass has started
     record.resume_skip, record.resume_rng = 0, None
     if record.skip_batches:  # skip_first_batches(): this rank's batches, W global ones each
@@ -153,9 +152,11 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
     return it
 
 
-def _was_a_peek(previous: _state.LoaderPass, backward_calls: int) -> bool:
-    """The loader's previous pass was left before its end, and nothing was trained in it."""
-    return not previous.exhausted and previous.backward_start == backward_calls
+def _was_a_peek(previous: _state.LoaderPass, session: Session) -> bool:
+    """The loader's previous pass, in these scopes, was left before its end with nothing
+    trained in it."""
+    return (not previous.exhausted and previous.session() is session
+            and previous.backward_start == session.backward_calls)
 
 
 def _first_batch(it: ScopedIterator) -> Any:

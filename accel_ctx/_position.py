@@ -69,6 +69,7 @@ def apply_position(
     generator: torch.Tensor | None,
 ) -> None:
     """Make the loader's next iteration continue where the checkpoint left its epoch."""
+    record.last_pass = None  # a position asked for now: no earlier pass is taken over
     if generator is not None and loader.generator is not None:
         loader.generator.set_state(generator)
     if entry["epoch"] == 0:
@@ -238,5 +239,7 @@ def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]
     pending = record.resume_skip if record is not None else 0
     iterable = isinstance(loader.dataset, IterableDataset)
     check_skip(batches, _data._total(loader, iterable), _data.plan_for(loader, stack, pending))
-    _state.loader_record(loader).skip_batches = batches
+    record = _state.loader_record(loader)
+    record.skip_batches = batches
+    record.last_pass = None  # asked for now: no earlier pass is taken over
     return loader

@@ -327,10 +327,11 @@ class LoaderPass:
     """
 
     __slots__ = ("backward_start", "collectives_start", "exhausted", "metric_gathers_start",
-                 "no_grad", "resume", "where")
+                 "no_grad", "resume", "session", "where")
 
-    def __init__(self, backward_start: int, resume: tuple[int, Any, int]) -> None:
-        self.backward_start = backward_start  # the session's backward count at the pass's start
+    def __init__(self, session: Session, resume: tuple[int, Any, int]) -> None:
+        self.session = weakref.ref(session)  # the scopes it ran in
+        self.backward_start = session.backward_calls  # the session's backward count then
         self.exhausted = False
         self.resume = resume  # (resume_skip, resume_rng, skip_batches) the pass consumed
         # for a pass sharded over several ranks (_eval_passes): the group's collectives and

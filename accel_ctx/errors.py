@@ -61,8 +61,8 @@ class ArgumentError(ConfigurationError, TypeError):
         >>> try:
         ...     mixed_precision("bf16", init_scal=2.0)
         ... except TypeError as e:
-        ...     print(type(e).__name__, "|", str(e).split(".")[1].strip())
-        ArgumentError | Did you mean 'init_scale'?
+        ...     print(type(e).__name__, "|", str(e).split("?")[0])
+        ArgumentError | mixed_precision() got an unknown option 'init_scal'. Did you mean 'init_scale'
     """
 
 

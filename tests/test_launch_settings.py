@@ -119,7 +119,7 @@ for argv in (["--help"], ["config", "--help"], ["config", "--show"],
     except SystemExit:
         pass
 allowed = {{"accel_ctx", "accel_ctx.cli", "accel_ctx.errors", "accel_ctx._env",
-           "accel_ctx._precision_names"}}
+           "accel_ctx._precision_names", "accel_ctx._options"}}
 ours = sorted(m for m in sys.modules if m.startswith("accel_ctx") and m not in allowed
               and not m.startswith("accel_ctx._launch"))
 assert not ours, ours
