@@ -14,9 +14,11 @@ checks, with the other ranks, that the calls fit together (see ``_debug``).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import numbers
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -26,8 +28,8 @@ from ._blame import collective
 from ._exchange import describe, exchange
 from ._options import checked, flag, whole
 from ._reduce import reduce_tensors
-from ._skeleton import fill, merge
-from ._tree import map_tensors
+from ._skeleton import fill, merge, rebuild_mapping, rebuild_sequence
+from ._tree import iter_tensors, map_tensors
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:
@@ -95,8 +97,9 @@ def gather(tensors: T) -> T:
     per rank. Plain Python data is gathered too: a list or tuple holding no tensor (``[1, 2,
     3]``, a batch of strings or per-sample dicts) is a batch of objects, concatenated in rank
     order like a tensor's rows; any other value (a number, a string) becomes the list of every
-    rank's value, as a 0-dim tensor becomes one row per rank; None stays None. In a single
-    process the input itself is returned.
+    rank's value, as a 0-dim tensor becomes one row per rank; None stays None. The rule is the
+    same for every number of processes: in one process a tensor with rows and a batch come
+    back as they are, a 0-dim tensor as one row and a bare value as a list of one.
 
     When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
     naming each rank's shapes, before any data moves: the check rides in the exchange of first
@@ -107,12 +110,14 @@ def gather(tensors: T) -> T:
         >>> import torch
         >>> from accel_ctx import gather
         >>> out = gather({"pred": torch.tensor([1, 2]), "loss": torch.tensor(0.5)})
-        >>> out["pred"].tolist()  # one process: the input itself
-        [1, 2]
+        >>> out["pred"].tolist(), out["loss"].tolist()  # one process: one rank's rows
+        ([1, 2], [0.5])
+        >>> gather(5)  # a bare value: one entry per rank, on any number of ranks
+        [5]
     """
     job = group_job()
     if job is None:
-        return tensors
+        return _one_rank(tensors)  # type: ignore[no-any-return]
     d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(job))
     _debug.check(job, "gather()", d.tensors, free_dim=0)
     heads = exchange(job, d, "gather()", 0, meta_device(job), _ADVICE)
@@ -122,6 +127,37 @@ def gather(tensors: T) -> T:
         done = iter(gathered)
         return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
     return merge(heads.skeletons, gathered)  # type: ignore[no-any-return]
+
+
+def _one_rank(obj: Any) -> Any:
+    """What :func:`gather` gives when the job is one rank (the rule of :func:`merge`): the
+    input itself where nothing changes."""
+    if isinstance(obj, torch.Tensor):
+        return obj.reshape(1) if obj.dim() == 0 else obj
+    if obj is None:
+        return None
+    if isinstance(obj, Mapping):
+        values = {k: _one_rank(v) for k, v in obj.items()}
+        same = all(values[k] is v for k, v in obj.items())
+        return obj if same else rebuild_mapping(obj, values)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = {f.name: _one_rank(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        if all(v is getattr(obj, k) for k, v in fields.items()):
+            return obj
+        new = copy.copy(cast(Any, obj))
+        for name, value in fields.items():
+            object.__setattr__(new, name, value)
+        return new
+    if isinstance(obj, (list, tuple)):
+        if next(iter_tensors(obj), None) is None:
+            return obj  # a batch of objects: one rank's rows
+        items = [_one_rank(v) for v in obj]  # a structure: position by position
+        if all(a is b for a, b in zip(items, obj, strict=True)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return items if type(obj) is list else rebuild_sequence(obj, items)
+    return [obj]  # a bare value: one per rank
 
 
 @collective

@@ -52,8 +52,7 @@ def _same(a, b):
 
 
 def _expected_gather(world):
-    if world == 1:  # a single process gets its input back, 0-dim tensors included
-        return nested(0)
+    # one rule for every world size (one process too): a 0-dim tensor becomes one row per rank
     parts = [nested(r) for r in range(world)]
     return {
         "x": torch.cat([p["x"] for p in parts]),
@@ -70,10 +69,10 @@ def test_gather_concatenates_uneven_nested_structures_in_rank_order(ranks):
         c = res["collectives"]
         _same(c["gather"], _expected_gather(world))
         scalars = torch.tensor([r * 1.5 for r in range(world)])
-        _same(c["gather_scalar"], scalars if world > 1 else scalars[0])
+        _same(c["gather_scalar"], scalars)
         assert c["gather_zero_rows"].tolist() == [[r, r] for r in range(world) for _ in range(r)]
         assert c["gather_object"] == [{"rank": r, "name": f"r{r}"} for r in range(world)]
-    assert results[0]["collectives"]["gather_is_input"] is (world == 1)
+    assert results[0]["collectives"]["gather_is_input"] is False  # its 0-dim tensor: a row
 
 
 def test_reduce_sums_averages_and_takes_extremes_without_touching_inputs(ranks):
@@ -177,6 +176,10 @@ def test_single_process_returns_the_input_itself(inside):
         assert gather_object(tree) == [tree] and gather_object(tree)[0] is tree
         items = [1, 2, 3]
         assert split_between_processes(items, pad=True) is items
+        # the rule of many ranks: a bare value is one entry per rank, a 0-dim tensor one row
+        assert gather(5) == [5] and gather("a") == ["a"] and gather(items) is items
+        assert gather(torch.tensor(2.0)).tolist() == [2.0]
+        assert gather({"n": 3, "t": torch.ones(2)})["n"] == [3]
 
 
 class _nothing:
