@@ -114,20 +114,26 @@ def _shares(loader: Any, pending: EvalPass) -> str:
     world = plan.world
     size = getattr(loader, "batch_size", None)
     try:
-        n = len(loader.dataset)
+        n: int | None = len(loader.dataset)
     except TypeError:
         n = None
+
+    def samples(batch: int) -> int:  # the epoch's last batch may be short
+        assert isinstance(size, int) and n is not None
+        return n - size * (total - 1) if batch == total - 1 else size
+
     parts = []
+    remaining = max(total - plan.skip, 0)
     for rank in range(world):
-        mine = ShardPlan(rank, world, plan.even, plan.skip, plan.drop)
-        batches = mine.share(total)
+        batches = ShardPlan(rank, world, plan.even, plan.skip, plan.drop).share(total)
         if size and n is not None:
-            last = n - size * (total - 1)  # the epoch's last batch may be short
             real = [b for b in range(plan.skip, total) if (b - plan.skip) % world == rank]
             real = real[:batches]
-            samples = sum(last if b == total - 1 else size for b in real)
-            samples += size * (batches - len(real))  # padding: whole batches from the start
-            parts.append(f"rank {rank}: {samples} samples")
+            count = sum(samples(b) for b in real)
+            if len(real) < batches and remaining:  # padding: a batch of the first round again
+                first_round = min(world, remaining)
+                count += samples(plan.skip + (rank - remaining % world) % first_round)
+            parts.append(f"rank {rank}: {count} samples")
         else:
             parts.append(f"rank {rank}: {batches} batches")
     return ", ".join(parts)
@@ -141,8 +147,8 @@ def _never_combined(loader: Any, pending: EvalPass, padded: int) -> str:
         f"an evaluation over {_describe(loader, pending)} ran without gradients on each of the "
         f"{world} processes with its own share of the samples ({_shares(loader, pending)})"
         f"{repeat}, and nothing combined its results across the ranks: sums, counts and "
-        "averages computed from this loop describe this rank's share only (a perfect model "
-        f"scores about 1/{world} of the samples right). Fix: gather each batch's outputs with "
+        "averages computed from this loop describe the samples this rank saw, not the data "
+        "set. Fix: gather each batch's outputs with "
         "gather_for_metrics(...) (every sample exactly once), or, with "
         "distributed(even_batches=False), sum your counts across ranks with reduce(...) after "
         "the loop; to evaluate everything on every rank instead, run the loop outside "

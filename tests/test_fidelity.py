@@ -180,3 +180,20 @@ def test_a_helper_thread_sees_its_ranks_real_coordinates(ranks):
         assert seen["scope"] is False  # the facts of its process, not the scopes of another thread
         assert seen["main"] is (rank == 0)
         assert seen["upload"] == ("uploaded" if rank == 0 else None)
+
+
+@pytest.mark.parametrize(("n", "size", "world", "said"), [
+    (2500, 1000, 2, "rank 0: 1500 samples, rank 1: 2000 samples"),  # batch 0 again on rank 1
+    (500, 1000, 2, "rank 0: 500 samples, rank 1: 500 samples"),  # one batch: a repeat
+    (2500, 1000, 3, "rank 0: 1000 samples, rank 1: 1000 samples, rank 2: 500 samples"),
+    (10, 2, 4, "rank 0: 4 samples, rank 1: 4 samples, rank 2: 4 samples, rank 3: 4 samples"),
+])
+def test_the_evaluation_warning_says_what_each_rank_saw(n, size, world, said):
+    from torch.utils.data import DataLoader
+
+    from accel_ctx import _eval_passes
+    from accel_ctx._shard import ShardPlan
+
+    loader = DataLoader(list(range(n)), batch_size=size)
+    pending = _eval_passes.EvalPass(lambda: loader, "", ShardPlan(0, world), len(loader), 0, 0)
+    assert _eval_passes._shares(loader, pending) == said
