@@ -12,6 +12,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -116,3 +117,17 @@ def test_the_site_works_from_disk_search_included(site: Path):
         assert not external, (page, external)  # fonts, polyfills: nothing from the network
     home = (site / "index.html").read_text()
     assert 'href="api.html"' in home  # file:// opens no folder's index.html by itself
+
+
+def test_search_answers_in_a_browser_from_disk(site: Path):
+    browser = next(filter(None, map(shutil.which, ("chromium", "chromium-browser",
+                                                     "google-chrome"))), None)
+    if browser is None:
+        pytest.skip("no Chromium to open the site with (apt-get install chromium)")
+    page = subprocess.run(
+        [browser, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=15000",
+         "--dump-dom", f"{(site / 'index.html').as_uri()}?q=gather_for_metrics"],
+        capture_output=True, text=True, timeout=120,
+    ).stdout
+    found = re.search(r'md-search-result__meta">(\d+) matching document', page)
+    assert found and int(found.group(1)) >= 1, page[-2000:]
