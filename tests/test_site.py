@@ -101,6 +101,13 @@ def test_every_docstring_example_is_shown_as_code(site: Path):
     assert "<blockquote>" not in page  # what a doctest outside an Examples section becomes
 
 
+def test_the_api_page_links_names_instead_of_showing_sphinx_roles(site: Path):
+    page = html.unescape(re.sub(r"<[^>]+>", "", (site / "api.html").read_text()))
+    roles = sorted(set(re.findall(r":(?:func|class|meth|attr|mod|data|exc|obj):[\w.~]+", page)))
+    assert not roles, roles
+    assert 'href="#accel_ctx.errors.DistributedError"' in (site / "api.html").read_text()
+
+
 def test_the_site_works_from_disk_search_included(site: Path):
     index = (site / "search" / "search_index.js").read_text()
     assert index.startswith("var __index = ") and "gather_for_metrics" in index
