@@ -2,7 +2,7 @@
 
 Importing patches nothing; the scopes patch PyTorch while they are open, in their own thread.
 
-Example:
+Examples:
     >>> import torch
     >>> from accel_ctx import distributed, mixed_precision, state
     >>> with distributed(), mixed_precision("bf16"):

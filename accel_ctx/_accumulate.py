@@ -150,7 +150,7 @@ class accumulate(Scope):
     The end of a DataLoader always closes a group (see the module notes for a short last
     group). ``state().sync_gradients`` tells whether the current micro-step is a boundary.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import accumulate, state
         >>> model = torch.nn.Linear(2, 1)
@@ -199,7 +199,7 @@ class no_sync(Scope):
     adopted model at once. Gradients accumulate locally; the first backward after the scope
     synchronises the sum.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import distributed, no_sync
         >>> with distributed():

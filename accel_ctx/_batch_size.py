@@ -142,7 +142,7 @@ def find_executable_batch_size(
     :class:`~accel_ctx.errors.DistributedError` at once, naming itself, and the others' wait
     ends with it, never at the collective's timeout.
 
-    Example:
+    Examples:
         >>> from accel_ctx import find_executable_batch_size
         >>> @find_executable_batch_size(starting_batch_size=64)
         ... def train(batch_size):

@@ -55,7 +55,7 @@ def broadcast(tensors: T, src: int = 0) -> T:
     in the first message, which the call sends anyway). In a single process the input itself
     is returned.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import broadcast
         >>> broadcast({"seed": torch.tensor(42)}, src=0)
@@ -102,7 +102,7 @@ def broadcast_object(obj: T, src: int = 0) -> T:
     Ranks that disagree on ``src`` all raise :class:`DistributedError`; an object ``src``
     cannot pickle raises on every rank.
 
-    Example:
+    Examples:
         >>> from accel_ctx import broadcast_object
         >>> broadcast_object({"run_name": "baseline"})
         {'run_name': 'baseline'}

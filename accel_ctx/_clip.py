@@ -120,7 +120,7 @@ def clip_grad_norm_(
     ``distributed()`` the gradients are already averaged, so every rank clips alike. Outside a
     scope it is torch's function.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import clip_grad_norm_
         >>> w = torch.nn.Parameter(torch.ones(3))
@@ -160,7 +160,7 @@ def clip_grad_value_(
 ) -> None:
     """Clamp gradients like ``torch.nn.utils.clip_grad_value_``, correct in every scope.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import clip_grad_value_
         >>> w = torch.nn.Parameter(torch.ones(2))

@@ -106,7 +106,7 @@ def gather(tensors: T) -> T:
     dimensions that gather makes anyway (one small all_gather, then one per tensor; Python data
     adds one object exchange).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import gather
         >>> out = gather({"pred": torch.tensor([1, 2]), "loss": torch.tensor(0.5)})
@@ -168,7 +168,7 @@ def gather_object(obj: T) -> list[T]:
     Objects are pickled; for tensors prefer :func:`gather`, which moves them without copying
     through Python.
 
-    Example:
+    Examples:
         >>> from accel_ctx import gather_object
         >>> gather_object({"rank": 0, "files": ["a.txt"]})
         [{'rank': 0, 'files': ['a.txt']}]
@@ -198,7 +198,7 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     itself (see ``_reduce``), so a matching call of up to a few hundred values still costs one
     all_reduce. Small reductions are summed in float64 and rounded once to each tensor's dtype.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import reduce
         >>> reduce({"loss": torch.tensor(2.0)}, "mean")
@@ -239,7 +239,7 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
     all_gather of sizes the call makes anyway. In a single process the input itself is
     returned.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import pad_across_processes
         >>> pad_across_processes(torch.tensor([[1, 2]]), dim=1).tolist()

@@ -28,7 +28,7 @@ class PowerSGD:
     state shared by two models would mix their error feedback). ``comm_hook="powersgd"`` is
     ``PowerSGD()``: torch's defaults.
 
-    Example:
+    Examples:
         >>> from accel_ctx import PowerSGD, distributed
         >>> with distributed(comm_hook=PowerSGD(rank=4, start_iter=100)):
         ...     pass

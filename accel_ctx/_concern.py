@@ -77,7 +77,7 @@ Grads = tuple[list[torch.Tensor], list[torch.Tensor], float]
 class Concern:
     """Base of every concern runtime: each hook does nothing until a concern overrides it.
 
-    Example:
+    Examples:
         >>> from accel_ctx._concern import Concern
         >>> class Counting(Concern):
         ...     slot, order = "counting", 40

@@ -60,7 +60,7 @@ def any_rank(flag: Any) -> bool:
     collectives; every rank gets the same answer, so they can all leave a loop together. In a
     single process it is ``bool(flag)``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import any_rank, distributed
         >>> with distributed():
@@ -79,7 +79,7 @@ def all_ranks(flag: Any) -> bool:
     Takes the same flags as :func:`any_rank` and must likewise be called by every rank. In a
     single process it is ``bool(flag)``.
 
-    Example:
+    Examples:
         >>> from accel_ctx import all_ranks, distributed
         >>> with distributed():
         ...     done = all_ranks(True)
@@ -106,7 +106,7 @@ def synchronize_rng_states(
     where its loaders need it (shuffling), so this is for your own random draws: augmentations
     that must agree, a random choice of task, a dropout mask that must match.
 
-    Example:
+    Examples:
         >>> import random
         >>> from accel_ctx import distributed, synchronize_rng_states
         >>> with distributed():

@@ -60,7 +60,7 @@ class distributed(Scope):
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
     ``debug``, ``comm_hook`` (see :class:`DistributedOptions`).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import distributed, state
         >>> with distributed():

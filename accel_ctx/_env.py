@@ -182,7 +182,7 @@ def slurm_master(env: Mapping[str, str]) -> tuple[str, int]:
     step (srun places task 0 there) and the port is derived from the job id, so two jobs that
     share a node do not pick the same port.
 
-    Example:
+    Examples:
         >>> slurm_master({"SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_JOB_ID": "123456"})
         ('gpu07', 18456)
     """
@@ -204,7 +204,7 @@ def slurm_nodes(env: Mapping[str, str]) -> dict[str, object]:
     Then the nodes, this node's index and the meeting point come from SLURM, so the same
     ``srun -N2 --ntasks-per-node 1 accel-ctx launch -n 4 train.py`` works on every node.
 
-    Example:
+    Examples:
         >>> slurm_nodes({"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2",
         ...              "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[1-2]"})
         {'nnodes': 2, 'node_rank': 1, 'master': 'n1:29500'}
@@ -222,7 +222,7 @@ def slurm_nodes(env: Mapping[str, str]) -> dict[str, object]:
 def tasks_per_node(spec: str) -> list[int]:
     """Expand SLURM's task counts per node: ``"4(x2),3"`` -> ``[4, 4, 3]``.
 
-    Example:
+    Examples:
         >>> tasks_per_node("2(x3),1")
         [2, 2, 2, 1]
     """
@@ -238,7 +238,7 @@ def tasks_per_node(spec: str) -> list[int]:
 def expand_hostlist(spec: str) -> list[str]:
     """Expand SLURM's compressed host list, in order (brackets may repeat in one name).
 
-    Example:
+    Examples:
         >>> expand_hostlist("node[01-03,7],gpu5")
         ['node01', 'node02', 'node03', 'node7', 'gpu5']
         >>> expand_hostlist("r[1-2]-n[1-2]")

@@ -52,7 +52,7 @@ def gather_for_metrics(obj: T) -> T:
     :class:`DistributedError` on every rank (see :func:`gather`). In a single process the
     input itself is returned.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> from accel_ctx import distributed, gather_for_metrics
@@ -173,7 +173,7 @@ def split_between_processes(items: Any, *, pad: bool = False) -> Any:
     is in the order of ``items``. A dict splits each of its values (all of the same length). In
     a single process ``items`` itself is returned.
 
-    Example:
+    Examples:
         >>> from accel_ctx import split_between_processes
         >>> split_between_processes(["a cat", "a dog", "a bird"])  # one process: everything
         ['a cat', 'a dog', 'a bird']

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 class Coordinates:
     """Where this process stands: in the job, on its machine, and among data-parallel ranks.
 
-    Example:
+    Examples:
         >>> from accel_ctx._job import Coordinates
         >>> Coordinates().rank, Coordinates().world_size
         (0, 1)

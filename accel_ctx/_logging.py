@@ -51,7 +51,7 @@ def get_logger(
     attributes for formatters (``%(rank)s``). Handlers and levels are the standard ones:
     configure ``logging`` as usual; ``level`` sets the underlying logger's level.
 
-    Example:
+    Examples:
         >>> import logging, sys
         >>> from accel_ctx import get_logger
         >>> handler = logging.StreamHandler(sys.stdout)
@@ -96,7 +96,7 @@ def main_print(
     Named ``main_print`` rather than ``print`` so that ``from accel_ctx import *`` never
     shadows the built-in. For leveled, per-rank output use :func:`get_logger`.
 
-    Example:
+    Examples:
         >>> from accel_ctx import main_print
         >>> main_print("epoch", 1, "done")
         epoch 1 done

@@ -6,7 +6,7 @@ it naming the option, the value and what to give. Nothing is taken on trust: a s
 flag is expected (``'no'`` is truthy) is refused, not read as ``True``. A leaf module (no torch:
 the launcher's ``launch()`` uses it too).
 
-Example:
+Examples:
     >>> from accel_ctx._options import checked
     >>> @checked
     ... def train(steps, *, lr=0.1):

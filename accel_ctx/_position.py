@@ -108,7 +108,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     every rank gets the same dict, so rank 0 may save it alone. A loader with its own
     ``state_dict()`` (torchdata's ``StatefulDataLoader``) is asked for that instead.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch.utils.data import DataLoader
         >>> from accel_ctx import distributed, load_loader_state, loader_state
@@ -215,7 +215,7 @@ def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]
     takes effect at the loader's next iteration inside a scope, once; the loader itself is
     returned, so ``for x in skip_first_batches(loader, n)`` reads naturally.
 
-    Example:
+    Examples:
         >>> from torch.utils.data import DataLoader
         >>> from accel_ctx import distributed, skip_first_batches
         >>> loader = DataLoader(list(range(8)), batch_size=2)

@@ -298,7 +298,7 @@ class mixed_precision(Scope):
     ``--mixed-precision`` (default ``"no"``).
     Works with or without ``distributed()``; nested, the innermost policy wins.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import mixed_precision
         >>> model = torch.nn.Linear(4, 4)
@@ -384,7 +384,7 @@ def autocast_forward(fn: F) -> F:
     (``nn.DataParallel`` replicas, a thread pool started inside the scope). Outside any scope
     it is a plain call.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import autocast_forward, mixed_precision
         >>> class Net(torch.nn.Module):

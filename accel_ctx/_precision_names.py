@@ -3,7 +3,7 @@
 A leaf module (no torch): ``mixed_precision()``, ``accel-ctx launch --mixed-precision`` and the
 config file all read it, so a spelling accepted by one is accepted by all.
 
-Example:
+Examples:
     >>> from accel_ctx._precision_names import canonical
     >>> canonical("bfloat16"), canonical("off"), canonical("fp8")
     ('bf16', 'no', None)

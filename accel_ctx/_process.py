@@ -69,7 +69,7 @@ class ProcessFilter:
     on every rank and ``as`` gives ``True`` on the named ranks; test it. What the block adds over
     a plain ``if``: an exception escaping it is announced to the other ranks (see the module).
 
-    Example:
+    Examples:
         >>> from accel_ctx import on_main_process
         >>> with on_main_process() as here:
         ...     if here:
@@ -187,7 +187,7 @@ def on_main_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None
     (see :class:`ProcessFilter`). An exception escaping the function is announced to the other
     ranks, whose next ``wait_for_everyone()`` then raises instead of waiting forever.
 
-    Example:
+    Examples:
         >>> from accel_ctx import on_main_process
         >>> @on_main_process
         ... def report(loss):
@@ -218,7 +218,7 @@ def on_local_main_process(
     For per-machine work (a local cache, a progress bar per node). Same forms and failure
     handling as :func:`on_main_process`.
 
-    Example:
+    Examples:
         >>> from accel_ctx import on_local_main_process
         >>> @on_local_main_process()
         ... def prepare_cache():
@@ -247,7 +247,7 @@ def on_last_process(fn: Callable[P, R] | None = None, /) -> Callable[P, R | None
 
     Same forms and failure handling as :func:`on_main_process`.
 
-    Example:
+    Examples:
         >>> from accel_ctx import on_last_process
         >>> @on_last_process
         ... def last():
@@ -269,7 +269,7 @@ def on_process(rank: int) -> ProcessFilter:
     the function never runs, and rank 0 warns once. Same failure handling as
     :func:`on_main_process`.
 
-    Example:
+    Examples:
         >>> from accel_ctx import on_process
         >>> @on_process(0)
         ... def first():
@@ -296,7 +296,7 @@ def wait_for_everyone() -> None:
     inside rank-only code (``@on_main_process`` & co.) it raises at once: the other ranks would
     never arrive.
 
-    Example:
+    Examples:
         >>> from accel_ctx import distributed, wait_for_everyone
         >>> with distributed():
         ...     wait_for_everyone()
@@ -319,7 +319,7 @@ def main_process_first(*, local: bool = False) -> Iterator[None]:
     failure on another rank is announced too, to their next ``wait_for_everyone()``). Also
     usable as a decorator: ``@main_process_first()``.
 
-    Example:
+    Examples:
         >>> from accel_ctx import distributed, main_process_first
         >>> with distributed(), main_process_first():
         ...     data = list(range(3))  # e.g. download and cache the data set

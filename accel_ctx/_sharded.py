@@ -59,7 +59,7 @@ class sharded(Scope):
         hybrid: HSDP with one copy per machine (``shard_size`` = processes per node).
         **options: ``distributed()`` options, used when this scope forms the job.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx import distributed, sharded, state
         >>> with distributed(), sharded():

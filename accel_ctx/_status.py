@@ -126,7 +126,7 @@ def state() -> State:
     Read when called, so it follows the scopes: outside any scope it answers for a single
     process (rank 0 of 1, on the CPU).
 
-    Example:
+    Examples:
         >>> from accel_ctx import distributed, state
         >>> state().world_size
         1

@@ -19,7 +19,7 @@ from ._tree import iter_tensors, to_device
 class BatchMover:
     """Moves the batches of one loader iteration to ``device``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from accel_ctx._transfer import BatchMover
         >>> BatchMover(torch.device("cpu"), pinned=False)({"x": torch.ones(2)})["x"].device

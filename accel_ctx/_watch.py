@@ -46,7 +46,7 @@ def progress(iterable: Iterable[T], desc: str | None = None, total: int | None =
     defaults to ``len(iterable)`` where it has one: inside a scope, a DataLoader's length is
     this rank's share of batches, which is what the loop runs through.
 
-    Example:
+    Examples:
         >>> from accel_ctx import progress
         >>> sum(progress(range(5), desc="demo", disable=True))
         10
@@ -136,7 +136,7 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *,
     skipped with a warning. ``step`` defaults to ``state().step``. Other ranks do nothing, so
     every rank may call it (reduce the values first to log the job's mean).
 
-    Example:
+    Examples:
         >>> import tempfile
         >>> from accel_ctx import log_metrics
         >>> folder = tempfile.mkdtemp()

@@ -3,7 +3,7 @@
 Every error names what went wrong and how to fix it. Argument errors also derive from the
 built-in ``ValueError`` or ``TypeError``, so existing ``except`` clauses keep working.
 
-Example:
+Examples:
     >>> from accel_ctx import errors, mixed_precision
     >>> try:
     ...     mixed_precision("fp8")
@@ -31,7 +31,7 @@ __all__ = [
 class AccelCtxError(Exception):
     """Base class of every error accel_ctx raises on purpose.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import AccelCtxError
         >>> issubclass(AccelCtxError, Exception)
         True
@@ -41,7 +41,7 @@ class AccelCtxError(Exception):
 class ConfigurationError(AccelCtxError, ValueError):
     """An argument or option has a value accel_ctx cannot use (unknown policy, k < 1, ...).
 
-    Example:
+    Examples:
         >>> from accel_ctx import accumulate
         >>> from accel_ctx.errors import ConfigurationError
         >>> try:
@@ -55,7 +55,7 @@ class ArgumentError(ConfigurationError, TypeError):
     """A call does not fit the function: a misspelt keyword ("did you mean"), a missing or an
     extra argument. Also a ``TypeError``, the error Python itself raises for such a call.
 
-    Example:
+    Examples:
         >>> from accel_ctx import mixed_precision
         >>> from accel_ctx.errors import ArgumentError
         >>> try:
@@ -69,7 +69,7 @@ class ArgumentError(ConfigurationError, TypeError):
 class MisnestedScopeError(AccelCtxError, RuntimeError):
     """Scopes were exited in a different order than they were entered, or in another thread.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import MisnestedScopeError
         >>> issubclass(MisnestedScopeError, RuntimeError)
         True
@@ -79,7 +79,7 @@ class MisnestedScopeError(AccelCtxError, RuntimeError):
 class PatchConflictError(AccelCtxError, RuntimeError):
     """Another library replaced a PyTorch attribute that accel_ctx patched while a scope was open.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import PatchConflictError
         >>> issubclass(PatchConflictError, RuntimeError)
         True
@@ -89,7 +89,7 @@ class PatchConflictError(AccelCtxError, RuntimeError):
 class NotInitializedError(AccelCtxError, RuntimeError):
     """An operation needs an open scope (for example ``distributed()``) and none is active.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import NotInitializedError
         >>> issubclass(NotInitializedError, RuntimeError)
         True
@@ -99,7 +99,7 @@ class NotInitializedError(AccelCtxError, RuntimeError):
 class LaunchEnvironmentError(AccelCtxError, ValueError):
     """The launch environment variables (RANK, WORLD_SIZE, SLURM_*, ...) contradict each other.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import LaunchEnvironmentError
         >>> issubclass(LaunchEnvironmentError, ValueError)
         True
@@ -109,7 +109,7 @@ class LaunchEnvironmentError(AccelCtxError, ValueError):
 class DistributedError(AccelCtxError, RuntimeError):
     """A collective or a peer failed; the message names the rank that saw it.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import DistributedError
         >>> issubclass(DistributedError, RuntimeError)
         True
@@ -119,7 +119,7 @@ class DistributedError(AccelCtxError, RuntimeError):
 class RendezvousError(DistributedError):
     """The processes of a job could not find each other within the timeout.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import RendezvousError
         >>> issubclass(RendezvousError, TimeoutError) or issubclass(RendezvousError, RuntimeError)
         True
@@ -131,7 +131,7 @@ class CheckpointError(AccelCtxError, RuntimeError):
 
     The message names the file or the keys that differ, and what to do.
 
-    Example:
+    Examples:
         >>> from accel_ctx.errors import CheckpointError
         >>> issubclass(CheckpointError, RuntimeError)
         True

@@ -81,3 +81,16 @@ def test_the_runnable_blocks_run(tmp_path):
     out = subprocess.run([sys.executable, "run.py", "blocks.json"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
+
+
+def test_the_cli_page_names_every_launcher_setting():
+    from accel_ctx._launch.settings import CONFIG_FLAG, SETTINGS
+
+    page = (ROOT / "docs" / "cli.md").read_text()
+    text = "\n".join(t for _, _, t in _expand(ROOT / "docs" / "cli.md"))
+    missing = [f for s in SETTINGS for f in s.flags if f"`{f}" not in text]
+    missing += [f"{s.key} = " for s in SETTINGS if f"\n{s.key} = " not in text]  # the file
+    missing += [CONFIG_FLAG] if f"`{CONFIG_FLAG}" not in text else []
+    assert not missing, f"docs/cli.md does not name: {missing}"
+    # The precedence rule is written once, in README.md, and included where it is needed.
+    assert '--8<-- "README.md:precedence"' in page

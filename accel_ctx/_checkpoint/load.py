@@ -32,7 +32,7 @@ from . import state as owned
 class Resumed:
     """What :func:`load_state` restored; false (``not resumed``) when there was no checkpoint.
 
-    Example:
+    Examples:
         >>> from accel_ctx import load_state
         >>> resumed = load_state("no-checkpoint-here")
         >>> bool(resumed), resumed.step, resumed.epoch
@@ -77,7 +77,7 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     than the one that saved (ranks beyond the saved ones keep their RNG states). Every rank
     must call it, as for :func:`save_state`.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from accel_ctx import load_state, save_state
         >>> folder = tempfile.mkdtemp()

@@ -37,7 +37,7 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     only, it raises ``DistributedError`` naming the ranks that never came (see
     :func:`save_state`); a full disk raises ``CheckpointError`` saying so.
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from accel_ctx import save_model
         >>> model = torch.nn.Linear(2, 2)

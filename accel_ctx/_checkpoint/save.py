@@ -51,7 +51,7 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     into ``directory`` is in progress (naming its process and host; a lock left by a process
     that died is taken over).
 
-    Example:
+    Examples:
         >>> import tempfile, torch
         >>> from accel_ctx import save_state
         >>> model = torch.nn.Linear(2, 2)

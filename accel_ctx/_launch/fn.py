@@ -76,7 +76,7 @@ def launch(
       last checkpoint with ``load_state``). The error of the last attempt is raised, noting the
       restarts; KeyboardInterrupt is never retried.
 
-    Example:
+    Examples:
         >>> from accel_ctx import launch
         >>> launch(pow, nprocs=2, args=(2, 10))
         1024
