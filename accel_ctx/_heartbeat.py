@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import _progress
 from ._progress import (
+    BACKWARD,
     FAILED,
     LEFT,
     MIRROR_STEP,
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
 PROGRESS_VAR = "ACCEL_CTX_PROGRESS_S"
 _log = logging.getLogger("accel_ctx")
 _NAMED = 4  # other ranks named in a progress line
+_SAME_CALL = "the other ranks are in the same call"
 _MIRROR_PREFIX = "accel_ctx-step-"
 _MIRROR_KEEP_S = 3600.0  # a dead rank's mirror stays this long for the ranks it left behind
 
@@ -190,9 +192,15 @@ class Heartbeat:
             return "", ""
 
     def _report_wait(self, record: dict[str, Any]) -> None:
-        """Every ``interval`` seconds at one position while waiting: one line saying so."""
+        """Every ``interval`` seconds at one position while waiting: one line saying so.
+
+        A backward through DDP waits for the others inside the autograd engine, where no frame
+        shows it: it counts as a wait only while another rank is elsewhere (a long backward on
+        every rank is work, not a wait).
+        """
         p = self.progress
-        if p.state != RUNNING or not (record["waiting"] or record["blocked"]):
+        syncing = p.phase == BACKWARD and p.armed
+        if p.state != RUNNING or not (record["waiting"] or record["blocked"] or syncing):
             self._waiting_since = None
             return
         position = (p.step, p.seq, p.phase)
@@ -206,8 +214,10 @@ class Heartbeat:
         self._next_line = now + self.interval
         with contextlib.suppress(Exception):  # a lost store only loses the line
             others = read(self._own, self.prefix, self.world)
-            _log.warning("%s", wait_line(self.rank, self.world, record, others,
-                                         now - self._waiting_since[1]))
+            line = wait_line(self.rank, self.world, record, others,
+                             now - self._waiting_since[1])
+            if record["waiting"] or record["blocked"] or not line.endswith(_SAME_CALL):
+                _log.warning("%s", line)
 
     def publish(self, store: Store | None = None) -> dict[str, Any] | None:
         """Write the record now, and return it (never raises: a lost store only loses the
@@ -254,7 +264,7 @@ def wait_line(rank: int, world: int, mine: dict[str, Any], others: dict[int, dic
         parts.append(f"{len(elsewhere) - _NAMED} more ranks elsewhere")
     if silent:
         parts.append(f"rank(s) {silent[:_NAMED]} published nothing yet")
-    return "; ".join([text, *(parts or ["the other ranks are in the same call"])])
+    return "; ".join([text, *(parts or [_SAME_CALL])])
 
 
 def _state_of(record: dict[str, Any]) -> str:

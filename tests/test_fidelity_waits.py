@@ -85,14 +85,16 @@ def test_a_waiting_rank_says_what_it_waits_for_every_interval(tmp_path):
     results = spawn(fidelity_waits.waits_with_progress_lines, 2, tmp_path, 6.0, timeout=240,
                     env=lambda r: rank_env(r, 2, tmp_path / "store",
                                            ACCEL_CTX_PROGRESS_S="1"))
-    for name, waits_in in (("barrier", "in wait_for_everyone()"),
-                           ("collective", "in reduce()")):
+    for name, waits_in, other in (
+            ("barrier", "at step 0, in wait_for_everyone()", "rank 0: step 0"),
+            ("collective", "at step 0, in reduce()", "rank 0: step 0"),
+            ("backward", "at step 2, in backward", "rank 0: step 2, after optimizer step")):
         assert "value" in results[0][name] and "value" in results[1][name], name
         lines = results[1][name]["lines"]
         assert len(lines) >= 2, (name, lines)
         for line in lines:
             assert line.startswith("rank 1 of 2 waiting for "), line
-            assert waits_in in line and "rank 0: step 0" in line, line
+            assert waits_in in line and other in line, line
         assert not results[0][name]["lines"], results[0][name]  # the busy rank says nothing
     assert "inside torch.distributed's all_gather()" in results[1]["collective"]["lines"][0]
 

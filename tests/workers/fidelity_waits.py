@@ -117,6 +117,19 @@ def waits_with_progress_lines(seconds: float) -> dict[str, Any]:
                 call()
 
         out[name] = _outcome(run)
+
+    def backward() -> None:  # rank 1 waits in DDP's gradient all-reduce, inside autograd
+        with distributed(timeout=60):
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(3):
+                if state().rank == 0 and i == 2:
+                    time.sleep(seconds)
+                model(torch.randn(8, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    out["backward"] = _outcome(backward)
     return out
 
 
