@@ -44,13 +44,12 @@ RUNNING, LEFT, FAILED = "running", "left", "failed"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-# every function of these waits for the other ranks (utils: DDP's checks and broadcasts)
-_C10D = (os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py"),
-         os.path.join(_TORCH_DIR, "distributed", "utils.py"))
-# where a thread waits for the other ranks: torch.distributed, and DDP's own broadcasts
+# where a thread waits for the other ranks: any function of c10d, and those of torch.distributed
+# (FSDP's waits, DDP's checks in utils) and of DDP that communicate
+_C10D = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
 _COMM_CODE = (os.path.join(_TORCH_DIR, "distributed") + os.sep,
               os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py"))
-_COMM_WORDS = ("wait", "broadcast", "gather", "reduce", "scatter", "barrier", "sync")
+_COMM_WORDS = ("wait", "broadcast", "gather", "reduce", "scatter", "barrier", "sync", "verify")
 MIRROR_STEP = struct.Struct("<q")  # a rank's step in its mirror (``_heartbeat.Mirror``)
 _SKIPPED = (_PACKAGE_DIR, _TORCH_DIR)
 # the standard library too: a wait in pathlib, threading or queue shows the caller's line
@@ -213,7 +212,7 @@ def thread_state(dump: str, thread_id: int) -> tuple[str, str]:
         if innermost:  # faulthandler lists the innermost frame first
             innermost = False
             # a c10d collective, a wait on one issued asynchronously, DDP's broadcasts
-            if path in _C10D or (path.startswith(_COMM_CODE) and any(
+            if path == _C10D or (path.startswith(_COMM_CODE) and any(
                     word in function for word in _COMM_WORDS)):
                 blocked = function
         if _is_users(match.group(1)):

@@ -197,3 +197,69 @@ def test_a_rank_gone_between_two_heartbeats_is_named_at_its_real_step(tmp_path, 
     rank0 = pickle.loads(results[0])
     assert rank0.get("error") == "DistributedError", rank0
     assert "rank 1's process died (last seen at step 5" in rank0["message"], rank0
+
+
+# --- 9: the rules behind the launcher's last line and exit code (no processes) ------------------
+def _failures(tmp_path, monkeypatch, codes, named):
+    """ProcessFailures with exit ``codes``; ``named``: rank -> the culprit its error file names."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from accel_ctx import _blame
+    from accel_ctx.errors import DistributedError
+
+    failures = {}
+    for rank, code in codes.items():
+        path = tmp_path / f"error{rank}.json"
+        if rank in named:
+            monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+            _blame.write_error_file(DistributedError(f"rank {rank}: blames {named[rank]}"),
+                                    named[rank], RuntimeError("Timed out"))
+        failures[rank] = ProcessFailure(rank, 100 + rank, code, str(path))
+    return failures
+
+
+@pytest.mark.parametrize(("codes", "named", "culprit", "code"), [
+    ({0: -15, 1: 1}, {1: 0}, 0, 1),  # rank 0 stuck, stopped by the launcher: rank 1's code
+    ({1: 1}, {1: 0}, 0, 1),  # rank 0 left with os._exit(0): the code of the rank naming it
+    ({0: 3, 1: 1}, {1: 0}, 0, 3),  # rank 0 failed by itself: its own code
+    ({0: -9, 1: 1}, {1: 0}, 0, 137),  # rank 0 killed (out of memory): 128 + 9
+    ({0: -15, 1: 2}, {}, 1, 2),  # no record: the rank that failed by itself, not the stopped one
+])
+def test_the_launchers_last_line_and_exit_code_follow_the_culprit(tmp_path, monkeypatch, codes,
+                                                                   named, culprit, code):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from accel_ctx.cli import describe_failure, failure_exit_code
+
+    failed = ChildFailedError("train.py", _failures(tmp_path, monkeypatch, codes, named))
+    assert failure_exit_code(failed) == code
+    last = describe_failure(failed, 0).splitlines()
+    line = next(x for x in last if x.startswith("accel-ctx launch:"))
+    assert line.startswith(f"accel-ctx launch: rank {culprit} "), line
+
+
+# --- 8d: what counts as a rank blocked in a collective (from a faulthandler dump) ----------------
+def test_a_thread_inside_a_collective_is_told_from_one_merely_in_torch_distributed():
+    import os
+    import threading
+
+    import torch
+
+    from accel_ctx._progress import thread_state
+
+    here = threading.get_ident()
+    dist = os.path.join(os.path.dirname(torch.__file__), "distributed")
+
+    def dump(path, function):
+        return (f"Current thread 0x{here:016x} (most recent call first):\n"
+                f'  File "{path}", line 10 in {function}\n'
+                f'  File "/home/me/train.py", line 7 in main\n')
+
+    c10d = os.path.join(dist, "distributed_c10d.py")
+    utils = os.path.join(dist, "utils.py")
+    fsdp = os.path.join(dist, "fsdp", "_fully_shard", "_fsdp_param_group.py")
+    assert thread_state(dump(c10d, "all_gather"), here) == ("train.py:7 in main", "all_gather")
+    assert thread_state(dump(fsdp, "wait_for_unshard"), here)[1] == "wait_for_unshard"
+    assert thread_state(dump(utils, "_verify_param_shape_across_processes"), here)[1]
+    assert thread_state(dump(utils, "_recursive_to"), here)[1] == ""  # moving inputs: work
+    assert thread_state(dump("/home/me/model.py", "forward"), here)[1] == ""
