@@ -51,7 +51,7 @@ def test_ranks_in_different_collectives_raise_at_once_on_every_rank(different_ca
             assert message.startswith(f"rank {rank}: "), message
             assert "different calls" in message and "No rank got a result" in message, message
             assert f"rank 0: {first}" in message and f"rank {last}: {odd}" in message, message
-            assert got["seconds"] < 10, (case, got)  # at once, not at the 20 s timeout
+            assert got["seconds"] < 20, (case, got)  # at once, not at the 40 s timeout
             assert res[case + "/after"]["value"] == list(range(world)), (case, rank)
 
 
@@ -67,7 +67,7 @@ def test_gather_object_and_small_reduces_still_give_every_rank_the_same_values(d
 
 # --- 8d: a sharded model's forward under a plain `if rank == 0:` --------------------------------
 def test_a_sharded_forward_on_rank_zero_alone_ends_fast_naming_both_ranks(tmp_path):
-    timeout = 60.0
+    timeout = 90.0
     results = spawn(fidelity_waits.sharded_forward_on_rank_zero, 2, tmp_path, timeout,
                     timeout=240)
     for rank, got in enumerate(results):
@@ -100,7 +100,7 @@ def test_a_waiting_rank_says_what_it_waits_for_every_interval(tmp_path):
 
 # --- 8e: find_executable_batch_size, one rank out of memory before its forward -----------------
 def test_an_out_of_memory_before_the_forward_names_that_rank_at_once(tmp_path):
-    timeout = 60.0
+    timeout = 90.0
     results = spawn(fidelity_waits.out_of_memory_before_forward, 2, tmp_path, timeout,
                     timeout=240)
     for rank, got in enumerate(results):
@@ -163,7 +163,7 @@ def test_two_processes_with_the_same_rank_are_told_so(tmp_path, store):
     for i, result in enumerate(results):
         assert result["error"] is not None, (i, result)
         assert "two processes claim rank 0" in result["error"], (i, result)
-        assert result["elapsed"] < 20.0, (i, result)  # not the rendezvous timeout
+        assert result["elapsed"] < 30.0, (i, result)  # bounded
 
 
 # --- 9: the launcher blames the rank that caused the failure ------------------------------------

@@ -64,7 +64,7 @@ def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
 def different_calls() -> dict[str, Any]:
     """Each case: the last rank calls another collective than the others; then a good call."""
     out: dict[str, Any] = {}
-    with distributed(timeout=20):
+    with distributed(timeout=40):
         rank, world = state().rank, state().world_size
         odd = rank == world - 1
         cases: dict[str, Callable[[], Any]] = {
