@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -33,13 +32,13 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from . import _progress
+from ._keywait import KeyWait
 from .errors import DistributedError
 
 if TYPE_CHECKING:
     from ._job import Job
 
 _WATCH_S = 1.0  # how often a waiting rank looks whether a missing rank will ever come
-_POLL_S = 0.05  # the longest pause between two looks at a sync point's verdict
 _STUCK_LOOKS = 3  # fresh records showing a missing rank blocked in a collective, to name it
 _OK = "ok"
 _FAILED = "failed: "
@@ -50,11 +49,12 @@ _BLAME = "blame: "
 class _SyncRecord:
     """Sync-point bookkeeping of one process group (one root ``Job``)."""
 
-    __slots__ = ("completed", "pending", "prefix", "store")
+    __slots__ = ("completed", "pending", "prefix", "store", "waits")
 
     def __init__(self, prefix: str, store: Store) -> None:
         self.prefix = prefix
         self.store = store
+        self.waits = KeyWait(store)
         self.completed = 0  # sync points passed
         self.pending = 0  # the point being waited at (0: none)
 
@@ -133,31 +133,24 @@ def _wait_watching(job: Job, record: _SyncRecord, point: str, label: str,
                    seconds: float) -> None:
     """Wait for the point's verdict; a missing rank that will never arrive ends the wait at
     once, marked for every rank, instead of at the timeout: its process died (on this machine),
-    or it waits in a collective, which needs this rank (see :class:`Watch`).
-
-    The store is polled with ``check`` (backing off to ``_POLL_S``): ``TCPStore.wait`` with a
-    short timeout logs two lines of C++ warnings each time it times out.
-    """
-    store, done = record.store, f"{point}/done"
-    deadline = time.monotonic() + seconds
-    look = time.monotonic() + _WATCH_S
-    pause = 0.001
+    or it waits in a collective, which needs this rank (see :class:`Watch`)."""
     watch = Watch(job, label)
-    while not store.check([done]):
-        now = time.monotonic()
-        if now >= deadline:
-            raise RuntimeError(f"no verdict within {seconds:g} s")
-        if now >= look:
-            look = now + _WATCH_S
-            missing = [r for r in range(job.world_size)
-                       if not store.check([f"{point}/arrived/{r}"])]
-            found = watch.never_arriving(missing)
-            if found is not None:
-                rank, what = found
-                announce_failure(job, what, "failed" if watch.died else "blame", culprit=rank)
-                return  # the verdict names that rank
-        time.sleep(max(0.0, min(pause, deadline - now)))
-        pause = min(2 * pause, _POLL_S)
+
+    def look() -> None:
+        missing = [r for r in range(job.world_size)
+                   if not record.store.check([f"{point}/arrived/{r}"])]
+        found = watch.never_arriving(missing)
+        if found is not None:  # the verdict names that rank, and ends the wait
+            rank, what = found
+            announce_failure(job, what, "failed" if watch.died else "blame", culprit=rank)
+
+    record.waits.wait(f"{point}/done", seconds, look, look_interval(job.world_size))
+
+
+def look_interval(world: int) -> float:
+    """Seconds between two looks at the other ranks' records during a wait: each look reads
+    every rank's, so large jobs look less often."""
+    return _WATCH_S * max(1.0, world / 32)
 
 
 class Watch:

@@ -21,7 +21,8 @@ from typing import Any, Concatenate, TypeVar, overload
 from typing_extensions import ParamSpec
 
 from . import _state
-from ._barrier import Watch, store_and_prefix, whereabouts
+from ._barrier import Watch, look_interval, store_and_prefix, whereabouts
+from ._keywait import KeyWait
 from ._progress import BACKWARD
 from ._progress import read as read_progress
 from .errors import AccelCtxError, ConfigurationError, DistributedError
@@ -76,27 +77,37 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
     job.progress.enter(label)
     base = f"{prefix}/batch_size/{call}/{attempt}"
     store.set(f"{base}/{job.rank}", "oom" if ran_out else "ok")
+    if store.add(f"{base}/count", 1) == job.world_size:
+        store.set(f"{base}/all", "1")
     keys = [f"{base}/{r}" for r in range(job.world_size)]
-    deadline = time.monotonic() + job.options.timeout.total_seconds()
-    watch, look = Watch(job, label), 0.0
-    while not store.check(keys):
-        now = time.monotonic()
-        if now >= look:
-            look = now + 1.0
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            if ran_out:
-                _refuse_if_waited_for(job, store, prefix, missing, size, why, mine)
-            found = watch.never_arriving(missing)
-            if found is not None:
-                raise _naming(found[0], f"{label}: {found[1]}.")
-        if now > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            where = whereabouts(job, missing)
-            raise _naming(missing[0] if missing else None, (
-                f"{label}: {', '.join(f'rank {r}' for r in missing)} did not finish the attempt "
-                f"within distributed(timeout={job.options.timeout.total_seconds():g} s)"
-                f"{f' ({where})' if where else ''}."))
-        time.sleep(0.05)
+    watch = Watch(job, label)
+
+    def look() -> None:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        if ran_out:
+            _refuse_if_waited_for(job, store, prefix, missing, size, why, mine)
+        found = watch.never_arriving(missing)
+        if found is not None:
+            raise _naming(found[0], f"{label}: {found[1]}.")
+
+    seconds = job.options.timeout.total_seconds()
+    start = time.monotonic()
+    try:
+        if ran_out and not store.check([f"{base}/all"]):
+            look()  # at once: a rank already waiting in a collective for this one
+        KeyWait(store).wait(f"{base}/all", seconds, look, look_interval(job.world_size))
+    except DistributedError:
+        raise
+    except RuntimeError as exc:
+        if time.monotonic() - start < seconds:
+            raise _naming(None, f"{label}: lost the rendezvous store ({exc}); the rank hosting "
+                                "it (rank 0) has most likely stopped: see its output.") from exc
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        where = whereabouts(job, missing)
+        raise _naming(missing[0] if missing else None, (
+            f"{label}: {', '.join(f'rank {r}' for r in missing)} did not finish the attempt "
+            f"within distributed(timeout={seconds:g} s){f' ({where})' if where else ''}.")
+        ) from exc
     job.progress.phase = f"after {label}"
     return any(v == b"oom" for v in store.multi_get(keys))
 

@@ -26,6 +26,7 @@ from torch.distributed.rendezvous import rendezvous as _torch_rendezvous
 
 from . import _env, _probe
 from ._heartbeat import wait_interval
+from ._keywait import KeyWait
 from .errors import LaunchEnvironmentError, RendezvousError
 
 PROGRESS_VAR = "ACCEL_CTX_RDZV_PROGRESS_S"
@@ -237,26 +238,32 @@ def _await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
     arrived = store.add("rdzv/arrived", 1)
     if arrived >= world:
         store.set("rdzv/all", "1")
-    pause = 0.001
-    # Polled with check(): TCPStore.wait() with a short timeout logs C++ warnings each time.
-    while not store.check(["rdzv/all"]):
+
+    def look() -> None:
         if store.check(["rdzv/problem"]):
             cause = store.get("rdzv/problem").decode()
             store.add("rdzv/problem_seen", 1)
             _linger(store, waiter)
             raise waiter.fail(f"another rank reports: {cause}",
                               "Start every rank of the job with the same settings.")
+        waiter.tick(f"{store.add('rdzv/arrived', 0)} of {world} arrived")
+
+    try:
+        KeyWait(store).wait("rdzv/all", max(0.0, waiter.left()), look, waiter.poll_s())
+    except RendezvousError:
+        raise
+    except RuntimeError:
+        if store.check(["rdzv/all"]):
+            return
+        if waiter.left() > 0:
+            raise  # the store was lost: await_peers says so
         arrived = store.add("rdzv/arrived", 0)
-        if waiter.left() <= 0:
-            missing = _missing(store, world)
-            raise waiter.fail(
-                f"{arrived} of {world} processes arrived within {waiter.timeout:g} s; {missing}",
-                f"Start all {world} processes (WORLD_SIZE={world}) with the same rendezvous "
-                "address, or raise distributed(timeout=...) if start-up is slow.",
-            )
-        waiter.tick(f"{arrived} of {world} arrived")
-        time.sleep(min(pause, max(0.0, waiter.left())))
-        pause = min(2 * pause, 0.05)
+        missing = _missing(store, world)
+        raise waiter.fail(
+            f"{arrived} of {world} processes arrived within {waiter.timeout:g} s; {missing}",
+            f"Start all {world} processes (WORLD_SIZE={world}) with the same rendezvous "
+            "address, or raise distributed(timeout=...) if start-up is slow.",
+        ) from None
 
 
 def _report(store: Store, cause: str, waiter: Waiter, fix: str) -> RendezvousError:
