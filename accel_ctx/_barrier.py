@@ -25,21 +25,21 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-import time
 import weakref
-from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import Store
 
 from . import _progress
+from ._keywait import KeyWait
 from .errors import DistributedError
 
 if TYPE_CHECKING:
     from ._job import Job
 
-_WATCH_S = 1.0  # how often a waiting rank looks whether a missing rank's process died
+_WATCH_S = 1.0  # how often a waiting rank looks whether a missing rank will ever come
+_STUCK_LOOKS = 3  # fresh records showing a missing rank blocked in a collective, to name it
 _OK = "ok"
 _FAILED = "failed: "
 _LEFT = "left: "
@@ -49,11 +49,12 @@ _BLAME = "blame: "
 class _SyncRecord:
     """Sync-point bookkeeping of one process group (one root ``Job``)."""
 
-    __slots__ = ("completed", "pending", "prefix", "store")
+    __slots__ = ("completed", "pending", "prefix", "store", "waits")
 
     def __init__(self, prefix: str, store: Store) -> None:
         self.prefix = prefix
         self.store = store
+        self.waits = KeyWait(store)
         self.completed = 0  # sync points passed
         self.pending = 0  # the point being waited at (0: none)
 
@@ -130,39 +131,78 @@ def sync_point(
 
 def _wait_watching(job: Job, record: _SyncRecord, point: str, label: str,
                    seconds: float) -> None:
-    """Wait for the point's verdict; a missing rank whose process died (on this machine) ends
-    the wait at once, marked for every rank, instead of at the timeout."""
-    deadline = time.monotonic() + seconds
-    done = f"{point}/done"
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            record.store.wait([done], timedelta(seconds=max(0.01, min(_WATCH_S, left))))
-            return
-        except RuntimeError as exc:
-            if left <= _WATCH_S or "timeout" not in str(exc).lower():
-                raise
-        dead = _dead(job, record, point)
-        if dead is not None:
-            rank, where = dead
-            announce_failure(job, f"rank {rank} died{f' ({where})' if where else ''}",
-                             culprit=rank)
-            return  # the verdict names the dead rank
+    """Wait for the point's verdict; a missing rank that will never arrive ends the wait at
+    once, marked for every rank, instead of at the timeout: its process died (on this machine),
+    or it waits in a collective, which needs this rank (see :class:`Watch`)."""
+    watch = Watch(job, label)
+
+    def look() -> None:
+        missing = [r for r in range(job.world_size)
+                   if not record.store.check([f"{point}/arrived/{r}"])]
+        found = watch.never_arriving(missing)
+        if found is not None:  # the verdict names that rank, and ends the wait
+            rank, what = found
+            announce_failure(job, what, "failed" if watch.died else "blame", culprit=rank)
+
+    record.waits.wait(f"{point}/done", seconds, look, look_interval(job.world_size))
 
 
-def _dead(job: Job, record: _SyncRecord, point: str) -> tuple[int, str] | None:
-    """A rank that has not arrived and whose process is gone, with where it last was."""
-    missing = [r for r in range(job.world_size)
-               if not record.store.check([f"{point}/arrived/{r}"])]
-    if not missing:
+def look_interval(world: int) -> float:
+    """Seconds between two looks at the other ranks' records during a wait: each look reads
+    every rank's, so large jobs look less often."""
+    return _WATCH_S * max(1.0, world / 32)
+
+
+class Watch:
+    """Looks, about once a second during a wait of ours, for a missing rank that will never
+    come: its process died (same machine), or its records show it blocked in a collective
+    (inside torch.distributed, at one position, over ``_STUCK_LOOKS`` fresh records), which can
+    only complete once this rank joins it, while this rank waits for it here."""
+
+    def __init__(self, job: Job, label: str) -> None:
+        self.job, self.label = job, label
+        self.died = False
+        self._seen: dict[int, tuple[tuple[Any, ...], Any, int]] = {}
+
+    def never_arriving(self, missing: list[int]) -> tuple[int, str] | None:
+        """(that rank, what to tell the others) or None."""
+        if not missing:
+            return None
+        store, prefix = store_and_prefix(self.job)
+        records = _progress.read(store, prefix, self.job.world_size)
+        for rank in missing:
+            last = records.get(rank)
+            if last is not None and last.get("state") == _progress.RUNNING and (
+                    _progress.process_gone(last)):
+                self.died = True
+                return rank, f"rank {rank} died (last seen at {_progress.last_seen(last)})"
+        for rank in missing:
+            last = records.get(rank) or {}
+            if last.get("state") != _progress.RUNNING or not last.get("blocked"):
+                self._seen.pop(rank, None)
+                continue
+            key = (last.get("step"), last.get("seq"), last.get("phase"), last.get("blocked"))
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != key:
+                self._seen[rank] = (key, last.get("beat"), 1)
+            elif seen[1] != last.get("beat"):  # a fresh record, still there
+                self._seen[rank] = (key, last.get("beat"), seen[2] + 1)
+                if seen[2] + 1 >= _STUCK_LOOKS:
+                    return rank, self._deadlock(rank, last)
         return None
-    records = _progress.read(record.store, record.prefix, job.world_size)
-    for rank in missing:
-        last = records.get(rank)
-        if last is not None and last.get("state") == _progress.RUNNING and (
-                _progress.process_gone(last)):
-            return rank, _progress.describe(last)
-    return None
+
+    def _deadlock(self, rank: int, last: dict[str, Any]) -> str:
+        me = self.job.rank
+        where = self.job.progress.where
+        return (
+            f"rank {rank} waits in a collective at {_progress.describe(last)} (inside "
+            f"torch.distributed's {last.get('blocked')}()), which needs every rank, while rank "
+            f"{me} waits in {self.label}{f' (at {where})' if where else ''}: neither can go on. "
+            f"Rank {rank} runs code the other ranks skip (a sharded model's forward, or a "
+            "collective, under `if rank == 0:` or in a loop that runs more often on that "
+            "rank): make that call on every rank, or keep collectives out of code one rank "
+            "runs alone (@on_main_process refuses them at once)"
+        )
 
 
 def _refused(rank: int, label: str, verdict: str) -> DistributedError:
@@ -260,7 +300,7 @@ def whereabouts(job: Job, ranks: list[int]) -> str:
             if state == _progress.LEFT:
                 parts.append(f"rank {r} left distributed() at {_progress.describe(rec)}")
             elif _progress.process_gone(rec):
-                parts.append(f"rank {r}'s process died (last seen at {_progress.describe(rec)})")
+                parts.append(f"rank {r}'s process died (last seen at {_progress.last_seen(rec)})")
             else:
                 parts.append(f"rank {r} is at {_progress.describe(rec)}")
         return "; ".join(parts)

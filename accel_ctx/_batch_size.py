@@ -21,7 +21,8 @@ from typing import Any, Concatenate, TypeVar, overload
 from typing_extensions import ParamSpec
 
 from . import _state
-from ._barrier import store_and_prefix
+from ._barrier import Watch, look_interval, store_and_prefix, whereabouts
+from ._keywait import KeyWait
 from ._options import checked
 from ._progress import BACKWARD
 from ._progress import read as read_progress
@@ -61,7 +62,13 @@ _calls = itertools.count()  # every rank makes the same calls in the same order
 
 
 def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str) -> bool:
-    """Every rank's verdict on this attempt; True if any rank ran out of memory."""
+    """Every rank's verdict on this attempt; True if any rank ran out of memory.
+
+    While it waits for the others' verdicts it looks about once a second for a rank that will
+    never give one (see ``_barrier.Watch``): a rank whose process died, or one blocked in a
+    collective (which waits for this rank) names that rank at once; a rank that ran out of
+    memory while another went on into a collective names itself.
+    """
     job = _state.current_job()
     if job is None or job.world_size == 1:
         return ran_out
@@ -71,40 +78,70 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
     job.progress.enter(label)
     base = f"{prefix}/batch_size/{call}/{attempt}"
     store.set(f"{base}/{job.rank}", "oom" if ran_out else "ok")
+    if store.add(f"{base}/count", 1) == job.world_size:
+        store.set(f"{base}/all", "1")
     keys = [f"{base}/{r}" for r in range(job.world_size)]
-    deadline = time.monotonic() + job.options.timeout.total_seconds()
-    while not store.check(keys):
+    watch = Watch(job, label)
+
+    def look() -> None:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if ran_out:
-            _refuse_if_waited_for(job, store, prefix, keys, size, why, mine)
-        if time.monotonic() > deadline:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            raise DistributedError(
-                f"{label}: {', '.join(f'rank {r}' for r in missing)} did not finish the "
-                "attempt within "
-                f"distributed(timeout={job.options.timeout.total_seconds():g} s).")
-        time.sleep(0.05)
+            _refuse_if_waited_for(job, store, prefix, missing, size, why, mine)
+        found = watch.never_arriving(missing)
+        if found is not None:
+            raise _naming(found[0], f"{label}: {found[1]}.")
+
+    seconds = job.options.timeout.total_seconds()
+    start = time.monotonic()
+    try:
+        if ran_out and not store.check([f"{base}/all"]):
+            look()  # at once: a rank already waiting in a collective for this one
+        KeyWait(store).wait(f"{base}/all", seconds, look, look_interval(job.world_size))
+    except DistributedError:
+        raise
+    except RuntimeError as exc:
+        if time.monotonic() - start < seconds:
+            raise _naming(None, f"{label}: lost the rendezvous store ({exc}); the rank hosting "
+                                "it (rank 0) has most likely stopped: see its output.") from exc
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        where = whereabouts(job, missing)
+        raise _naming(missing[0] if missing else None, (
+            f"{label}: {', '.join(f'rank {r}' for r in missing)} did not finish the attempt "
+            f"within distributed(timeout={seconds:g} s){f' ({where})' if where else ''}.")
+        ) from exc
+    job.progress.phase = f"after {label}"
     return any(v == b"oom" for v in store.multi_get(keys))
 
 
-def _refuse_if_waited_for(job: Any, store: Any, prefix: str, keys: list[str], size: int,
+def _naming(culprit: int | None, text: str) -> DistributedError:
+    error = DistributedError(text)
+    error.culprit = culprit  # type: ignore[attr-defined]
+    return error
+
+
+def _refuse_if_waited_for(job: Any, store: Any, prefix: str, missing: list[int], size: int,
                           why: str, mine: tuple[int, int]) -> None:
     """A rank that went on, past where this one stopped, into a collective waits for this
     one, which cannot join it: the attempt cannot be retried together, so fail now (the
     others then fail fast, naming this rank) rather than at the collective's timeout. A
     record at this rank's own position is one this rank took part in (a heartbeat lags)."""
     records = read_progress(store, prefix, job.world_size)
-    for rank, key in enumerate(keys):
+    for rank in missing:
         record = records.get(rank, {})
         phase = str(record.get("phase", ""))
-        waiting = phase == BACKWARD or (phase.endswith("()") and not phase.startswith("after "))
+        waiting = phase == BACKWARD or bool(record.get("blocked")) or (
+            phase.endswith("()") and not phase.startswith("after "))
         ahead = (int(record.get("step", 0)), int(record.get("seq", 0))) > mine
-        if store.check([key]) or not (waiting and ahead):
+        if not (waiting and ahead):
             continue
-        raise DistributedError(
+        inside = f", inside torch.distributed's {record['blocked']}()" if record.get(
+            "blocked") else ""
+        raise _naming(job.rank, (
             f"rank {job.rank} ran out of memory at batch size {size} ({why}) while rank "
-            f"{rank} went on into {phase}, which waits for rank {job.rank}: the ranks cannot "
-            "retry together. Give find_executable_batch_size a starting_batch_size that fits "
-            "on every rank, or even out the ranks' memory use (the same data sizes per rank).")
+            f"{rank} went on into {phase}{inside}, which waits for rank {job.rank}: the ranks "
+            "cannot retry together. Give find_executable_batch_size a starting_batch_size "
+            "that fits on every rank, or even out the ranks' memory use (the same data sizes "
+            "per rank)."))
 
 
 @overload

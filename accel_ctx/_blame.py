@@ -199,7 +199,7 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
     gone = sorted(r for r, rec in peers.items() if _progress.process_gone(rec))
     if gone:
         return gone, (
-            f"rank {gone[0]}'s process died (last seen at {_progress.describe(peers[gone[0]])}) "
+            f"rank {gone[0]}'s process died (last seen at {_progress.last_seen(peers[gone[0]])}) "
             f"while rank {me} was in {doing}"
         ), (
             f"See rank {gone[0]}'s output: a crash in native code, os._exit() or running out of "

@@ -2,10 +2,10 @@
 
 torch's broadcast_object_list starts with a broadcast of the payload's size; when two ranks each
 believe they are the source, both send, neither receives, and each returns its own object as if
-it had been sent. Here the size travels in a small all_reduce instead (the same one message),
-summed with each rank's ``src`` and call as pairs ``(s, s*s)``: after it, ``sum(s) == W*s`` and
-``sum(s*s) == W*s*s`` on a rank only if every rank gave the same ``s``. The sums are the same
-on every rank, so every rank sees a disagreement and raises; none returns a value.
+it had been sent. Here the size travels in the header every collective of ours starts with
+(``_exchange``: one all_gather), beside a hash of each rank's call and ``src``: every rank sees
+every rank's header, so a disagreement (on ``src``, or a rank in another collective) raises on
+every rank and none returns a value.
 """
 
 from __future__ import annotations
@@ -20,15 +20,16 @@ import torch.distributed as dist
 from . import _debug
 from ._blame import collective
 from ._collectives import group_job
+from ._exchange import header, of_call, pickled
 from ._options import checked
 from ._tree import iter_tensors, map_tensors
-from .errors import ConfigurationError, DistributedError
+from .errors import ConfigurationError
 
 if TYPE_CHECKING:
     from ._job import Job
 
 T = TypeVar("T")
-_CALLS = {"broadcast": 1, "broadcast_object": 2}
+_ADVICE = "Give every rank the same src (a rank number, not `state().rank`)."
 
 
 class _Slot:
@@ -123,34 +124,18 @@ def _valid_src(world: int, src: Any) -> bool:
 
 
 def _send_object(job: Job, call: str, obj: Any, src: int) -> Any:
-    """``src``'s ``obj`` on every rank: a checked size message, then the pickled bytes."""
+    """``src``'s ``obj`` on every rank: the checked header with its size, then the bytes."""
     valid = _valid_src(job.world_size, src)
     me = valid and job.rank == src
-    payload, problem = b"", ""
-    if me:
-        try:
-            payload = pickle.dumps(obj)
-        except Exception as exc:  # every rank must still take part, then raise
-            problem = f"{type(exc).__name__}: {exc}"
-    s, k = (src + 1 if valid else 0), _CALLS[call]
-    size = (len(payload) if not problem else -1) if me else 0
+    payload, problem = pickled(obj) if me else (b"", "")
     device = job.comm_device(torch.device("cpu"))
-    head = torch.tensor([s, s * s, k, k * k, size], dtype=torch.int64, device=device)
-    dist.all_reduce(head)
-    got = head.tolist()
+    described = of_call(f"{call}(src={src!r})", f"{call}()")
+    rows = header(job, described, device, _ADVICE, nbytes=-1 if problem else len(payload))
     world = job.world_size
-    if got[:4] != [world * s, world * s * s, world * k, world * k * k]:
-        said: list[Any] = [None] * world
-        dist.all_gather_object(said, f"{call}(src={src!r})")
-        raise DistributedError(
-            f"rank {job.rank}: {call}() stopped before moving any data: the ranks do not "
-            "agree on the call or its source (" + ", ".join(
-                f"rank {r}: {c}" for r, c in enumerate(said)) + "); no rank got a value. Give "
-            "every rank the same src (a rank number, not `state().rank`)."
-        )
     if not valid:
         raise ConfigurationError(f"{call}(src={src!r}): give a rank between 0 and {world - 1}.")
-    if got[4] < 0:
+    size = rows[src][4]
+    if size < 0:
         raise ConfigurationError(
             f"{call}(src={src}): rank {src} could not pickle its object"
             + (f" ({problem})" if problem else "") + "; send picklable data (or tensors)."
@@ -158,7 +143,7 @@ def _send_object(job: Job, call: str, obj: Any, src: int) -> Any:
     if me:
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     else:
-        data = torch.empty(got[4], dtype=torch.uint8, device=device)
+        data = torch.empty(size, dtype=torch.uint8, device=device)
     dist.broadcast(data, src)
     return obj if me else pickle.loads(data.cpu().numpy().tobytes())
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from . import _debug, _state
 from ._blame import collective
-from ._exchange import describe, exchange
+from ._exchange import describe, exchange, of_call
 from ._options import checked, flag, whole
 from ._reduce import reduce_tensors
 from ._skeleton import fill, merge, rebuild_mapping, rebuild_sequence
@@ -166,7 +166,9 @@ def gather_object(obj: T) -> list[T]:
     """Every rank's ``obj`` (any picklable object), in rank order; ``[obj]`` in a single process.
 
     Objects are pickled; for tensors prefer :func:`gather`, which moves them without copying
-    through Python.
+    through Python. Like every collective here it starts with the header that checks the
+    ranks' calls, so a rank in another collective (``gather`` on one rank, ``gather_object`` on
+    another) raises :class:`DistributedError` on every rank instead of aborting the process.
 
     Examples:
         >>> from accel_ctx import gather_object
@@ -177,9 +179,9 @@ def gather_object(obj: T) -> list[T]:
     if job is None:
         return [obj]
     _debug.check(job, "gather_object()")
-    parts: list[Any] = [None] * job.world_size
-    dist.all_gather_object(parts, obj)
-    return parts
+    d = of_call("gather_object()")
+    d.data, d.skeleton = True, obj  # the skeletons exchange carries the objects themselves
+    return exchange(job, d, "gather_object()", 0, meta_device(job), _ADVICE).skeletons or []
 
 
 @collective
@@ -194,9 +196,10 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     input itself is returned.
 
     When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
-    naming each rank's shapes and none gets a value: the check travels inside the reduction
-    itself (see ``_reduce``), so a matching call of up to a few hundred values still costs one
-    all_reduce. Small reductions are summed in float64 and rounded once to each tensor's dtype.
+    naming each rank's shapes and none gets a value: the check travels in the header every
+    collective starts with, and a small reduction's data with it (see ``_reduce``), so a
+    matching call of up to 59 values costs one small all_gather. Sums of floats are computed
+    exactly and rounded once to each tensor's dtype (larger ones: torch's all_reduce).
 
     Examples:
         >>> import torch
@@ -213,7 +216,7 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     d = describe(tensors, call, free_dim=None, batches=False, numbers=True,
                  travel=travel_type(job))
     _debug.check(job, call, d.tensors)
-    results = reduce_tensors(job, d, op, meta_device(job), _ADVICE, call)
+    results = reduce_tensors(job, d, op, meta_device(job), _ADVICE)
     if d.values:  # the same on every rank: the signatures matched
         raise ConfigurationError(
             f"{call} found values it cannot combine at {', '.join(d.values)}; it reduces "

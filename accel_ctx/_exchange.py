@@ -1,19 +1,25 @@
-"""The checked first exchange of gather, gather_for_metrics and pad_across_processes.
+"""The header every collective of ours starts with: the ranks' calls checked before data moves.
 
-Each rank *describes* its input before any data moves: its structure (containers, keys,
-lengths), for each tensor its dtype, its number of dimensions, every size but the free one (the
-dimension that may differ: gather's dim 0, pad's ``dim``) and the device it travels on, and
-where it holds plain Python data. A hash of that description rides in the fixed-size header that
-the call exchanges anyway (one all_gather of ``HEADER`` integers, which also carries the free
-sizes of the first ``_INLINE`` tensors), so a matching call costs no extra round trip. When the
-hashes differ, every rank sees it in the same header, so every rank takes the same error path:
-one more exchange of the readable descriptions, then a :class:`DistributedError` naming each
-rank's shapes, raised before any tensor moves (a mismatched all_gather would abort gloo with
-SIGABRT or hand one rank garbage).
+Every collective (gather, gather_for_metrics, gather_object, pad_across_processes, reduce,
+broadcast, broadcast_object) opens with the same message: one all_gather of ``HEADER`` int64s
+per rank. So whatever two ranks call, their first messages pair up in gloo/NCCL without
+aborting, and each rank reads every rank's header. The header carries a hash of the rank's
+*description* of its call: the function and its arguments (``reduce(op='sum')``,
+``broadcast(src=0)``), the input's structure (containers, keys, lengths), for each tensor its
+dtype, its number of dimensions, every size but the free one (the dimension that may differ:
+gather's dim 0, pad's ``dim``) and the device it travels on, and where it holds plain Python
+data. When the hashes differ (ranks in different functions, or inputs that do not fit), every
+rank sees it in the same headers, so every rank takes the same error path: one more exchange of
+the readable descriptions, then a :class:`DistributedError` naming each rank's call and
+shapes, raised before any tensor moves (a mismatched all_gather would abort gloo with SIGABRT or
+hand one rank garbage). The rest of the header carries what the call needs anyway: the free
+sizes of the first ``INLINE`` tensors (gather, pad), the data itself (a small reduce), the
+length of pickled Python data (gather's skeletons, gather_object, broadcast's payload), so a
+matching call costs no extra round trip.
 
 Plain Python data (lists of per-sample objects, numbers, strings) is gathered through the
 *skeleton*: the input with each tensor replaced by a :class:`Slot`, pickled once per call; its
-length rides in the header too, so the skeletons cost one more all_gather, not two.
+length rides in the header, so the skeletons cost one more all_gather, not two.
 """
 
 from __future__ import annotations
@@ -34,9 +40,9 @@ from ._skeleton import Slot, holds, rebuild_mapping, rebuild_sequence
 from .errors import ConfigurationError, DistributedError
 
 _MAGIC = 0x61636378  # "accx": a header that is not ours means a different call on that rank
-_FIXED = 5  # magic, hash, number of tensors, flags, bytes of pickled Python data
-_INLINE = 59  # free sizes carried by the header itself; more cost one more small all_gather
-HEADER = _FIXED + _INLINE
+FIXED = 5  # magic, hash, number of tensors, flags, bytes of pickled Python data
+INLINE = 59  # free sizes carried by the header itself; more cost one more small all_gather
+HEADER = FIXED + INLINE
 HAS_DATA = 1  # flag: the input holds plain Python data to exchange as objects
 PADDING = 2  # flag (gather_for_metrics): this rank's batch is padding
 
@@ -45,7 +51,8 @@ class Described:
     """One rank's input, described: what must agree across ranks, and what may differ."""
 
     def __init__(self, free_dim: int | None, batches: bool, numbers: bool,
-                 travel: Callable[[torch.Tensor], str]) -> None:
+                 travel: Callable[[torch.Tensor], str], name: str = "") -> None:
+        self.name = name  # the call as error messages head it: "gather()", "broadcast()"
         self.free_dim = free_dim  # None: every dimension must agree (reduce)
         self.batches = batches  # lists holding no tensor are batches of per-sample objects
         self.numbers = numbers  # Python numbers become 0-dim tensors (reduce)
@@ -137,10 +144,20 @@ class Described:
 def describe(obj: Any, call: str, *, free_dim: int | None, batches: bool,
              numbers: bool = False, travel: Callable[[torch.Tensor], str]) -> Described:
     """Walk ``obj`` once: its tensors, their free sizes, its signature and its skeleton."""
-    described = Described(free_dim, batches, numbers, travel)
+    described = of_call(call, free_dim=free_dim, batches=batches, numbers=numbers,
+                        travel=travel)
+    described.skeleton = described.walk(obj, "")
+    return described
+
+
+def of_call(call: str, name: str = "", *, free_dim: int | None = None, batches: bool = False,
+            numbers: bool = False, travel: Callable[[torch.Tensor], str] = lambda t: "",
+            ) -> Described:
+    """The description of a call alone (``call``: the function and the arguments that must
+    agree); ``name`` heads its error messages (default: ``call``)."""
+    described = Described(free_dim, batches, numbers, travel, name or call)
     described.signature.append(call)  # a rank in another call differs here
     described.summary.append(("the call", call))
-    described.skeleton = described.walk(obj, "")
     return described
 
 
@@ -162,6 +179,23 @@ class Exchanged:
         self.skeletons = skeletons  # every rank's skeleton, when the input holds Python data
 
 
+def header(job: Job, described: Described, device: torch.device, advice: str, *,
+           flags: int = 0, nbytes: int = 0, inline: list[int] | None = None) -> list[list[int]]:
+    """The first message of every collective: every rank's header, in rank order.
+
+    One all_gather of ``HEADER`` int64s: the magic number, the hash of the rank's description,
+    its number of tensors, ``flags``, ``nbytes`` (what the call sends next, or -1 for a rank
+    that cannot send it) and up to ``INLINE`` more values (``inline``). When the ranks' first
+    three differ, every rank raises :class:`DistributedError` (see :func:`mismatch`).
+    """
+    values = inline or []
+    row = [_MAGIC, described.digest, len(described.tensors), flags, nbytes, *values]
+    rows = gather_ints(row + [0] * (HEADER - len(row)), device, job.world_size)
+    if any(r[:3] != rows[0][:3] for r in rows) or rows[0][0] != _MAGIC:
+        mismatch(job, described, advice)
+    return rows
+
+
 def gather_ints(values: list[int], device: torch.device, world: int) -> list[list[int]]:
     """Every rank's ``values`` (same length on all ranks), in rank order: one all_gather."""
     mine = torch.tensor(values, dtype=torch.int64, device=device)
@@ -170,29 +204,40 @@ def gather_ints(values: list[int], device: torch.device, world: int) -> list[lis
     return [p.tolist() for p in parts]
 
 
+def gather_bytes(payload: bytes, sizes: list[int], device: torch.device) -> list[bytes]:
+    """Every rank's ``payload`` (``sizes``: their lengths, from the header): one all_gather."""
+    mine = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
+    if payload:
+        mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    parts = [torch.empty_like(mine) for _ in sizes]
+    dist.all_gather(parts, mine)
+    return [p[:n].cpu().numpy().tobytes() for p, n in zip(parts, sizes, strict=True)]
+
+
+def pickled(obj: Any) -> tuple[bytes, str]:
+    """``obj`` pickled, or why it cannot be (every rank must still take part, then raise)."""
+    try:
+        return pickle.dumps(obj), ""
+    except Exception as exc:
+        return b"", f"{type(exc).__name__}: {exc}"
+
+
 def exchange(job: Job, described: Described, call: str, flags: int,
              device: torch.device, advice: str) -> Exchanged:
-    """The one header all_gather; raises :class:`DistributedError` on every rank on a mismatch.
+    """The header, carrying the free sizes; raises :class:`DistributedError` on a mismatch.
 
     With Python data, the skeletons follow in one more all_gather of pickled bytes (their
     lengths came in the header, which replaces all_gather_object's own exchange of sizes).
     """
     world, n = job.world_size, len(described.tensors)
-    payload, problem = b"", ""
-    if described.data:
-        try:
-            payload = pickle.dumps(described.skeleton)
-        except Exception as exc:  # every rank must still take part, then raise
-            problem = f"{type(exc).__name__}: {exc}"
-    head = [_MAGIC, described.digest, n, flags | (HAS_DATA if described.data else 0),
-            -1 if problem else len(payload)]
-    inline = described.free[:_INLINE]
-    rows = gather_ints(head + inline + [0] * (_INLINE - len(inline)), device, world)
-    if any(row[:3] != rows[0][:3] for row in rows) or rows[0][0] != _MAGIC:
-        mismatch(job, described, call, advice)
-    free = [row[_FIXED:_FIXED + len(inline)] for row in rows]
-    if n > _INLINE:  # the same count on every rank: the hashes agree
-        rest = gather_ints(described.free[_INLINE:], device, world)
+    payload, problem = pickled(described.skeleton) if described.data else (b"", "")
+    inline = described.free[:INLINE]
+    rows = header(job, described, device, advice,
+                  flags=flags | (HAS_DATA if described.data else 0),
+                  nbytes=-1 if problem else len(payload), inline=inline)
+    free = [row[FIXED:FIXED + len(inline)] for row in rows]
+    if n > INLINE:  # the same count on every rank: the hashes agree
+        rest = gather_ints(described.free[INLINE:], device, world)
         free = [a + b for a, b in zip(free, rest, strict=True)]
     if not described.data:
         return Exchanged(free, [row[3] for row in rows], None)
@@ -203,26 +248,27 @@ def exchange(job: Job, described: Described, call: str, flags: int,
             + (f" ({problem})" if problem else "") + "; pass tensors, numbers, strings or "
             "other picklable objects."
         )
-    mine = torch.zeros(max(row[4] for row in rows), dtype=torch.uint8, device=device)
-    mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine)
-    skeletons = [pickle.loads(p[:row[4]].cpu().numpy().tobytes())
-                 for p, row in zip(parts, rows, strict=True)]
-    return Exchanged(free, [row[3] for row in rows], skeletons)
+    parts = gather_bytes(payload, [row[4] for row in rows], device)
+    return Exchanged(free, [row[3] for row in rows], [pickle.loads(p) for p in parts])
 
 
-def mismatch(job: Any, described: Described, call: str, advice: str) -> None:
+_DIFFERENT_CALLS = (
+    "Every rank must make the same sequence of collective calls: look for one under a rank "
+    "test (`if rank == 0:`) or in a loop that runs a different number of times on some ranks."
+)
+
+
+def mismatch(job: Any, described: Described, advice: str) -> None:
     """Every rank has seen the mismatch: trade readable descriptions, raise the same error."""
     parts: list[Any] = [None] * job.world_size
+    call = described.signature[0]
     dist.all_gather_object(parts, (call, described.signature, described.summary))
+    functions = {c.partition("(")[0] for c, _, _ in parts}
     raise DistributedError(
-        f"rank {job.rank}: {call} stopped before moving any data, because the ranks' calls "
-        f"do not fit together: {difference(parts)}. No rank got a result.\n{listing(parts)}\n"
-        f"{advice}"
+        f"rank {job.rank}: {described.name} stopped before moving any data, because the "
+        f"ranks' calls do not fit together: {difference(parts)}. No rank got a result.\n"
+        f"{listing(parts)}\n{_DIFFERENT_CALLS if len(functions) > 1 else advice}"
     )
-
-
 Summary = tuple[str, list[str], list[tuple[str, str]]]
 
 
@@ -248,7 +294,7 @@ def listing(parts: list[Summary], limit: int = 8) -> str:
         entries = [f"{where}: {what}" for where, what in summary[1:]]  # [0]: the call
         shown = entries[:limit] + ([f"... {len(entries) - limit} more"]
                                    if len(entries) > limit else [])
-        lines.append(f"  rank {r}: {call} with " + ", ".join(shown))
+        lines.append(f"  rank {r}: {call}" + (" with " + ", ".join(shown) if shown else ""))
     return "\n".join(lines)
 
 

@@ -18,14 +18,16 @@ from torch._C._distributed_c10d import PrefixStore, Store
 from . import _comm_hook, _env, _eval_passes, _rendezvous, _state
 from ._adopt import release_all
 from ._barrier import announce_failure, store_and_prefix
+from ._blame import write_error_file
 from ._dist_options import (
     DistributedOptions,
     check_backend,
     pick_backend,
     pick_device,
 )
+from ._heartbeat import Heartbeat
 from ._job import Job
-from ._progress import FAILED, LEFT, Heartbeat
+from ._progress import FAILED, LEFT
 from .errors import DistributedError, LaunchEnvironmentError, RendezvousError
 
 
@@ -141,8 +143,13 @@ def _watch(job: Job, exits: ExitStack) -> None:
             announce_failure(job, f"rank {job.rank} left distributed() at {where}", "left")
         else:
             text = f"{type(exc).__name__}: {exc}"
+            culprit = getattr(exc, "culprit", None)  # our DistributedError naming a rank
             if progress.state != FAILED:  # not already failed naming someone else (_blame)
                 progress.state, progress.detail = FAILED, text[:500]
+                if isinstance(culprit, int) and culprit != job.rank:
+                    progress.blames = [culprit]
+            if isinstance(culprit, int):  # for `accel-ctx launch`'s last line and exit code
+                write_error_file(exc, culprit, exc)
             announce_failure(job, f"rank {job.rank} left distributed() with {text} at {where}")
         if beat is not None:
             beat.publish(dist.distributed_c10d._get_default_store())
@@ -151,5 +158,6 @@ def _watch(job: Job, exits: ExitStack) -> None:
     exits.push(announce_exit)
     if job.world_size > 1 and dist.is_initialized():
         store, prefix = store_and_prefix(job)
-        job.heartbeat = Heartbeat(job.progress, job.rank, store, f"{prefix}/progress/{job.rank}")
+        job.heartbeat = Heartbeat(job.progress, job.rank, store, f"{prefix}/progress/{job.rank}",
+                                  job.world_size)
         job.heartbeat.start()

@@ -25,7 +25,8 @@ from torch import nn
 
 from . import _env
 from ._dist_options import DistributedOptions
-from ._progress import Heartbeat, Progress
+from ._heartbeat import Heartbeat
+from ._progress import Progress
 from .errors import ConfigurationError
 
 if TYPE_CHECKING:

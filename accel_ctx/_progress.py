@@ -1,29 +1,33 @@
 """Where each rank is: its last progress, published where the other ranks can read it.
 
 The training hot path only sets attributes of a :class:`Progress` (the step, the phase: forward,
-backward, optimizer step, a collective's name). A daemon heartbeat thread, started by
-``distributed()`` when the job has several processes and stopped when it exits, publishes them
-to the rendezvous store about once a second, with the line the main thread is running and a
-beat counter; leaving the scope publishes a last record saying "left" or "failed". When a
+backward, optimizer step, a collective's name). A daemon heartbeat thread
+(``_heartbeat``), started by ``distributed()`` when the job has several processes and stopped
+when it exits, publishes them to the rendezvous store about once a second, with the line the
+main thread is running and a beat counter; leaving the scope publishes a last record saying
+"left" or "failed". When a
 collective fails, ``_blame`` reads these records to name the rank that stopped and where.
 No store operation ever runs on the training thread per step.
 
 Key (under the process group's sync prefix of ``_barrier``): ``<prefix>/progress/<rank>``, a
-JSON object ``{step, seq, phase, where, beat, pid, host, state, detail, blames}``; ``state`` is
-"running", "left" or "failed"; ``blames`` the ranks a failed rank found responsible.
+JSON object ``{step, seq, phase, where, beat, pid, host, state, detail, blames, waiting,
+blocked, mirror}``; ``state`` is "running", "left" or "failed"; ``blames`` the ranks a failed
+rank found responsible; ``waiting`` whether the rank waits in a call of ours (a collective, a
+sync point); ``blocked`` the torch.distributed function the training thread is inside ("" if
+none), which tells a rank waiting at a sync point that this one waits in a collective instead;
+``mirror`` the file holding the rank's step, kept current on each optimizer step without a store
+operation (see ``Mirror``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import json
 import os
 import re
 import socket
+import struct
 import sys
-import tempfile
-import threading
 from types import CodeType
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +44,13 @@ RUNNING, LEFT, FAILED = "running", "left", "failed"
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# where a thread waits for the other ranks: any function of c10d, and those of torch.distributed
+# (FSDP's waits, DDP's checks in utils) and of DDP that communicate
+_C10D = os.path.join(_TORCH_DIR, "distributed", "distributed_c10d.py")
+_COMM_CODE = (os.path.join(_TORCH_DIR, "distributed") + os.sep,
+              os.path.join(_TORCH_DIR, "nn", "parallel", "distributed.py"))
+_COMM_WORDS = ("wait", "broadcast", "gather", "reduce", "scatter", "barrier", "sync", "verify")
+MIRROR_STEP = struct.Struct("<q")  # a rank's step in its mirror (``_heartbeat.Mirror``)
 _SKIPPED = (_PACKAGE_DIR, _TORCH_DIR)
 # the standard library too: a wait in pathlib, threading or queue shows the caller's line
 _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
@@ -48,10 +59,12 @@ _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 class Progress:
     """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
 
-    __slots__ = ("_where", "armed", "blames", "detail", "phase", "seq", "state", "step")
+    __slots__ = ("_entered", "_mirror", "_step", "_where", "armed", "blames", "detail", "phase",
+                 "seq", "state")
 
     def __init__(self) -> None:
-        self.step = 0  # optimizer steps taken (state().step)
+        self._mirror: Any = None  # a shared page the step is copied to (_heartbeat.Mirror)
+        self._step = 0  # optimizer steps taken (state().step)
         self.seq = 0  # phases entered since that step began (orders ranks within a step)
         self.phase = "before any forward"
         # a forward ran through a DDP engine (or, in rank-only code, a model DDP trains) and
@@ -62,10 +75,35 @@ class Progress:
         self.blames: list[int] = []
         # the user's line that entered the phase, formatted only when read (hot path)
         self._where: tuple[CodeType, int] | None = None
+        self._entered = ""  # the last wait of ours entered (see ``waiting``)
 
     def enter(self, phase: str) -> None:
+        """Enter a call of ours that waits for the other ranks (a collective, a sync point);
+        it ends with the next phase (``"after ..."``)."""
         self.seq += 1
         self.mark(phase)
+        self._entered = self.phase
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        if self._mirror is not None:  # once per optimizer step: a copy into shared memory
+            MIRROR_STEP.pack_into(self._mirror, 0, value)
+
+    def mirror_to(self, page: Any) -> None:
+        """Copy the step into ``page`` (a writable buffer) from now on; None stops it."""
+        self._mirror = page
+        if page is not None:
+            MIRROR_STEP.pack_into(page, 0, self._step)
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the rank is in a call of ours that waits for the others."""
+        return self.phase is self._entered
 
     def mark(self, phase: str) -> None:
         """Enter ``phase``, noting the user's line; called on the training thread itself."""
@@ -90,6 +128,26 @@ def describe(record: dict[str, Any]) -> str:
     text = f"step {record.get('step', '?')}, {_phase(str(record.get('phase', '?')))}"
     where = record.get("where")
     return f"{text} (at {where})" if where else text
+
+
+def last_seen(record: dict[str, Any]) -> str:
+    """Where a rank whose process is gone really was: its record, or the step its shared
+    mirror (``_heartbeat.Mirror``) shows when the record is older (a heartbeat publishes about
+    once a second: a rank that dies soon after a step leaves a stale record behind)."""
+    step = _mirrored_step(record)
+    if step is None or step <= int(record.get("step", 0)):
+        return describe(record)
+    return f"step {step} (its last published record is from step {record.get('step')})"
+
+
+def _mirrored_step(record: dict[str, Any]) -> int | None:
+    """The step a record's mirror shows (same machine only), or None."""
+    path = record.get("mirror")
+    if not path or record.get("host") != machine():
+        return None
+    with contextlib.suppress(OSError, struct.error), open(path, "rb") as f:
+        return int(MIRROR_STEP.unpack(f.read(MIRROR_STEP.size))[0])
+    return None
 
 
 def _phase(phase: str) -> str:
@@ -135,16 +193,31 @@ _FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 
 def thread_line(dump: str, thread_id: int) -> str:
     """The user's innermost line of thread ``thread_id`` in a ``faulthandler`` dump."""
+    return thread_state(dump, thread_id)[0]
+
+
+def thread_state(dump: str, thread_id: int) -> tuple[str, str]:
+    """Thread ``thread_id``'s innermost line of the user's and the torch.distributed function
+    it waits in ("" if its innermost frame is elsewhere), from a ``faulthandler`` dump."""
     header = f"hread 0x{thread_id:016x}"  # "Thread 0x..." or "Current thread 0x..."
-    inside = False
+    inside, innermost, blocked = False, True, ""
     for line in dump.splitlines():
         if line.startswith(("Thread 0x", "Current thread 0x")):
             inside = header in line
             continue
         match = _FRAME_LINE.match(line) if inside else None
-        if match is not None and _is_users(match.group(1)):
-            return f"{os.path.basename(match.group(1))}:{match.group(2)} in {match.group(3)}"
-    return ""
+        if match is None:
+            continue
+        path, function = os.path.abspath(match.group(1)), match.group(3)
+        if innermost:  # faulthandler lists the innermost frame first
+            innermost = False
+            # a c10d collective, a wait on one issued asynchronously, DDP's broadcasts
+            if path == _C10D or (path.startswith(_COMM_CODE) and any(
+                    word in function for word in _COMM_WORDS)):
+                blocked = function
+        if _is_users(match.group(1)):
+            return f"{os.path.basename(match.group(1))}:{match.group(2)} in {function}", blocked
+    return "", blocked
 
 
 def here() -> str:
@@ -154,80 +227,6 @@ def here() -> str:
     (``sys._current_frames()``) races with that thread popping them and can crash CPython.
     """
     return _format(_user_code_line(sys._getframe(1)))
-
-
-class Heartbeat:
-    """Publishes one rank's :class:`Progress` to the store every ``INTERVAL_S`` seconds."""
-
-    def __init__(self, progress: Progress, rank: int, store: Store, key: str) -> None:
-        self.progress = progress
-        self.key = key
-        self.store = store
-        self.beat = 0
-        self.thread_id = threading.get_ident()  # the training thread, whose line is shown
-        self._dump: Any = None  # a temporary file faulthandler writes the threads' stacks to
-        self.pid = os.getpid()
-        self.host = machine()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        # A store client of its own: a TCPStore connection is held for the whole of a wait()
-        # (a barrier on the training thread), which would stall the heartbeat.
-        try:
-            self._own: Store = store.clone()  # type: ignore[attr-defined]
-        except Exception:
-            self._own = store
-        self._thread = threading.Thread(
-            target=self._run, name=f"accel-ctx-heartbeat-rank{rank}", daemon=True
-        )
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def record(self) -> dict[str, Any]:
-        p = self.progress
-        self.beat += 1
-        where = self._current_line() or p.where
-        return {"step": p.step, "seq": p.seq, "phase": p.phase, "where": where,
-                "beat": self.beat, "pid": self.pid, "host": self.host, "state": p.state,
-                "detail": p.detail, "blames": list(p.blames)}
-
-    def _current_line(self) -> str:
-        """The line the training thread is on now (a stalled rank: where it is stuck).
-
-        Read from a ``faulthandler`` dump, which walks the threads' frames in C while holding
-        the GIL: walking them in Python (``sys._current_frames()``) races with the training
-        thread popping its frames and can crash CPython 3.11.
-        """
-        if self._stop.is_set() or self._dump is None:  # the last record, as the rank leaves
-            return ""
-        try:
-            self._dump.seek(0)
-            self._dump.truncate()
-            faulthandler.dump_traceback(self._dump, all_threads=True)
-            self._dump.seek(0)
-            return thread_line(self._dump.read(), self.thread_id)
-        except Exception:  # no temporary folder, a closed file: the phase's line will do
-            return ""
-
-    def publish(self, store: Store | None = None) -> None:
-        """Write the record now (never raises: a lost store only loses the information)."""
-        with self._lock, contextlib.suppress(Exception):
-            (store or self._own).set(self.key, json.dumps(self.record()))
-
-    def _run(self) -> None:
-        with contextlib.ExitStack() as files:
-            with contextlib.suppress(OSError):  # none: the records give the phase's line
-                self._dump = files.enter_context(tempfile.TemporaryFile(mode="w+"))
-            while not self._stop.is_set():
-                self.publish()
-                self._stop.wait(INTERVAL_S)
-            with self._lock:
-                self._dump = None
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(5.0)
 
 
 def read(store: Store, prefix: str, world: int) -> dict[int, dict[str, Any]]:

@@ -8,15 +8,13 @@ on the ``accel_ctx`` logger at WARNING (stderr when logging is not configured), 
     rank 1 of 2 waiting for the rendezvous at 127.0.0.1:29500: 1 of 2 arrived, 30 s
 
 and it ends within the timeout with the likely cause: the port held by another program, ranks
-started with different world sizes, two processes with the same rank, the address unreachable,
-or the ranks that never arrived. All of it happens once per process group, never per step.
+started with different world sizes, two processes claiming the same rank, an address that does
+not lead to rank 0 (rank 0's own included), or the ranks that never arrived. All of it happens once per process group, never per step.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -26,7 +24,9 @@ from urllib.parse import urlparse
 from torch._C._distributed_c10d import Store, TCPStore
 from torch.distributed.rendezvous import rendezvous as _torch_rendezvous
 
-from . import _env
+from . import _env, _probe
+from ._heartbeat import wait_interval
+from ._keywait import KeyWait
 from .errors import LaunchEnvironmentError, RendezvousError
 
 PROGRESS_VAR = "ACCEL_CTX_RDZV_PROGRESS_S"
@@ -35,13 +35,9 @@ _MAX_NAMED = 32  # ranks named in a message; larger jobs get counts
 
 
 def progress_interval() -> float:
-    """Seconds between progress lines (``ACCEL_CTX_RDZV_PROGRESS_S``, default 30)."""
-    raw = os.environ.get(PROGRESS_VAR, "")
-    try:
-        value = float(raw) if raw else 30.0
-    except ValueError:
-        value = 30.0
-    return value if value > 0 else 30.0
+    """Seconds between progress lines (``ACCEL_CTX_RDZV_PROGRESS_S``, else
+    ``ACCEL_CTX_PROGRESS_S``, default 30)."""
+    return wait_interval(PROGRESS_VAR)
 
 
 class Waiter:
@@ -56,6 +52,8 @@ class Waiter:
         self.deadline = self.start + self.timeout
         self.interval = progress_interval()
         self.next_line = self.start + self.interval
+        self.serving = False  # this process serves the store (rank 0 for env:// and tcp://)
+        self.shared_port = False  # rank 0 found another process serving a store on its port
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -120,32 +118,56 @@ def connect(launch: _env.LaunchEnv, init_method: str | None, timeout: timedelta,
         return store
     host, port = hp
     if launch.rank == 0 and not launch.use_agent_store:
-        try:
-            return TCPStore(host, port, launch.world_size, is_master=True, timeout=timeout,
-                            wait_for_workers=False, multi_tenant=True)
-        except Exception as exc:
-            if "EADDRINUSE" in str(exc) or "address already in use" in str(exc).lower():
-                raise waiter.fail(
-                    f"port {port} is held by another program, so rank 0 cannot serve the "
-                    "rendezvous store there (address already in use)",
-                    "Free the port, or start the job on another one (MASTER_PORT, "
-                    "`accel-ctx launch --master-port`).",
-                ) from exc
-            raise waiter.fail(f"rank 0 could not serve the rendezvous store ({exc})",
-                              "Check MASTER_ADDR names an address of this host.") from exc
+        return _serve(host, port, launch, timeout, waiter)
     return _connect_client(host, port, launch, timeout, waiter)
 
 
-def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
-                    waiter: Waiter) -> Store:
-    # TCPStore's constructor can block past its timeout (a listener that never answers), so it
-    # runs in a daemon thread while this one reports progress and keeps the deadline.
+def _serve(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
+           waiter: Waiter) -> Store:
+    """Rank 0 serves the store on ``port``; TCPStore then connects to it at ``host:port``,
+    which retries until the timeout (in torch's C++ warnings) when ``host`` does not lead back
+    to this machine: so it runs in a daemon thread while this one reports progress."""
+    got = _within(lambda: TCPStore(host, port, launch.world_size, is_master=True,
+                                   timeout=timeout, wait_for_workers=False, multi_tenant=True),
+                  waiter, f"serving the store on port {port} and connecting to it at {host}")
+    if got and not isinstance(got[0], BaseException):
+        store: Store = got[0]
+        waiter.serving = True
+        return store
+    if got and _probe.address_in_use(got[0]):
+        if _probe.what_answers(host, port, min(10.0, max(1.0, waiter.left()))) == _probe.STORE:
+            # Another process serves a store there: a second process started with RANK=0
+            # (the rendezvous in that store says so), or another job on this port.
+            waiter.shared_port = True
+            return _connect_client(host, port, launch, timeout, waiter)
+        raise waiter.fail(
+            f"port {port} is held by another program, so rank 0 cannot serve the rendezvous "
+            "store there (address already in use)",
+            "Free the port, or start the job on another one (MASTER_PORT, "
+            "`accel-ctx launch --master-port`).",
+        ) from got[0]
+    local = _probe.is_local_address(host)
+    cause = (f"rank 0 serves the store on port {port} but could not reach it at {host}:{port} "
+             f"within {waiter.timeout:g} s")
+    if not local:
+        cause += f": MASTER_ADDR={host} is not an address of this host, which rank 0 runs on"
+    elif got:
+        cause += f" ({got[0]})"
+    raise waiter.fail(cause, (
+        "Set MASTER_ADDR to an address of rank 0's host that every rank reaches (the "
+        "launcher sets it), or pass distributed(init_method='file:///shared/path')."
+    )) from (got[0] if got else None)
+
+
+def _within(make: Any, waiter: Waiter, doing: str) -> list[Any]:
+    """``[make()]`` or ``[its exception]`` within the deadline, with progress lines; ``[]`` at
+    the deadline (it goes on in a daemon thread: TCPStore's constructor can block past its
+    timeout)."""
     result: list[Any] = []
 
     def run() -> None:
         try:
-            result.append(TCPStore(host, port, launch.world_size, is_master=False,
-                                   timeout=timeout, wait_for_workers=False))
+            result.append(make())
         except Exception as exc:
             result.append(exc)
 
@@ -153,27 +175,33 @@ def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timed
     thread.start()
     while not result and waiter.left() > 0:
         thread.join(waiter.poll_s())
-        waiter.tick("connecting to rank 0's store")
-    if result and not isinstance(result[0], BaseException):
-        store: Store = result[0]
+        waiter.tick(doing)
+    return result
+
+
+def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
+                    waiter: Waiter) -> Store:
+    got = _within(lambda: TCPStore(host, port, launch.world_size, is_master=False,
+                                   timeout=timeout, wait_for_workers=False),
+                  waiter, "connecting to rank 0's store")
+    if got and not isinstance(got[0], BaseException):
+        store: Store = got[0]
         return store
     cause = _diagnose(host, port)
     raise waiter.fail(cause, (
         f"Start rank 0 first or together with the others, and check that MASTER_ADDR/"
         f"MASTER_PORT ({host}:{port}) is rank 0's address and reachable from this host; "
         "raise distributed(timeout=...) if start-up is slow."
-    )) from (result[0] if result else None)
+    )) from (got[0] if got else None)
 
 
 def _diagnose(host: str, port: int) -> str:
     """Why no store answered at host:port: nothing listens, or something else holds the port."""
-    try:
-        with socket.create_connection((host, port), timeout=2.0):
-            pass
-    except ConnectionRefusedError:
+    error = _probe.connect_error(host, port)
+    if isinstance(error, ConnectionRefusedError):
         return f"nothing listens at {host}:{port} (rank 0 not started, or the port is wrong)"
-    except OSError as exc:
-        return f"the address {host}:{port} is unreachable from this host ({exc})"
+    if error is not None:
+        return f"the address {host}:{port} is unreachable from this host ({error})"
     return (f"something accepts connections at {host}:{port} but it is not a rendezvous store: "
             "the port is likely held by another program")
 
@@ -199,49 +227,62 @@ def _await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
     if seen != str(world):
         cause = (f"world size mismatch seen in the store: rank {rank} was started with "
                  f"WORLD_SIZE={world}, a rank before it with WORLD_SIZE={seen}")
-        raise _report(store, rank, cause, waiter,
+        raise _report(store, cause, waiter,
                       "Start every rank of the job with the same WORLD_SIZE.")
     if store.add(f"rdzv/rank/{rank}", 1) > 1:
-        raise _report(store, rank, f"two processes were started with RANK={rank}", waiter,
+        also = (" (or another job on this port serves its store there)"
+                if waiter.shared_port else "")
+        raise _report(store, f"two processes claim rank {rank}: both were started with "
+                      f"RANK={rank}{also}", waiter,
                       "Give every process its own RANK from 0 to WORLD_SIZE-1.")
     arrived = store.add("rdzv/arrived", 1)
     if arrived >= world:
         store.set("rdzv/all", "1")
-    while True:
-        try:
-            store.wait(["rdzv/all"], timedelta(seconds=waiter.poll_s()))
-            return
-        except Exception:  # a poll that timed out: look for problems, report, wait again
-            pass
+
+    def look() -> None:
         if store.check(["rdzv/problem"]):
             cause = store.get("rdzv/problem").decode()
             store.add("rdzv/problem_seen", 1)
+            _linger(store, waiter)
             raise waiter.fail(f"another rank reports: {cause}",
                               "Start every rank of the job with the same settings.")
+        waiter.tick(f"{store.add('rdzv/arrived', 0)} of {world} arrived")
+
+    try:
+        KeyWait(store).wait("rdzv/all", max(0.0, waiter.left()), look, waiter.poll_s())
+    except RendezvousError:
+        raise
+    except RuntimeError:
+        if store.check(["rdzv/all"]):
+            return
+        if waiter.left() > 0:
+            raise  # the store was lost: await_peers says so
         arrived = store.add("rdzv/arrived", 0)
-        if waiter.left() <= 0:
-            missing = _missing(store, world)
-            raise waiter.fail(
-                f"{arrived} of {world} processes arrived within {waiter.timeout:g} s; {missing}",
-                f"Start all {world} processes (WORLD_SIZE={world}) with the same rendezvous "
-                "address, or raise distributed(timeout=...) if start-up is slow.",
-            )
-        waiter.tick(f"{arrived} of {world} arrived")
+        missing = _missing(store, world)
+        raise waiter.fail(
+            f"{arrived} of {world} processes arrived within {waiter.timeout:g} s; {missing}",
+            f"Start all {world} processes (WORLD_SIZE={world}) with the same rendezvous "
+            "address, or raise distributed(timeout=...) if start-up is slow.",
+        ) from None
 
 
-def _report(store: Store, rank: int, cause: str, waiter: Waiter, fix: str) -> RendezvousError:
-    """Publish ``cause`` for the waiting ranks; the error for this one.
-
-    Rank 0 serves the store (env:// and tcp://): it stays a moment, until the ranks already
-    waiting have read the cause, so that its exit does not leave them only "connection closed".
-    """
+def _report(store: Store, cause: str, waiter: Waiter, fix: str) -> RendezvousError:
+    """Publish ``cause`` for the waiting ranks; the error for this one."""
     store.set("rdzv/problem", cause)
-    if rank == 0:
-        waiting = int(store.add("rdzv/arrived", 0))
-        until = time.monotonic() + min(5.0, max(0.0, waiter.left()))
-        while int(store.add("rdzv/problem_seen", 0)) < waiting and time.monotonic() < until:
-            time.sleep(0.05)
+    _linger(store, waiter)
     return waiter.fail(cause, fix)
+
+
+def _linger(store: Store, waiter: Waiter) -> None:
+    """The rank serving the store (rank 0 for env:// and tcp://) stays a moment, until the
+    ranks that arrived have read the problem, so that its exit does not leave them only
+    "connection closed"."""
+    if not waiter.serving:
+        return
+    until = time.monotonic() + min(5.0, max(0.0, waiter.left()))
+    while (int(store.add("rdzv/problem_seen", 0)) < int(store.add("rdzv/arrived", 0))
+           and time.monotonic() < until):
+        time.sleep(0.05)
 
 
 def _missing(store: Store, world: int) -> str:

@@ -64,8 +64,33 @@ def launch_main(argv: Sequence[str]) -> int:
         return fail("launch", exc)
     if plan.network.warning:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
+    held = master_held(plan.settings.get("master"))
+    if held:
+        print(f"accel-ctx launch: {held}", file=sys.stderr)
+        return 1
     os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
     return run_torchrun(plan.torchrun_args, plan.settings, plan.network.note)
+
+
+def master_held(master: Any, seconds: float = 10.0) -> str:
+    """Why ``--master HOST:PORT`` cannot be the rendezvous, or ''.
+
+    Something that accepts connections there but does not answer as a rendezvous store (a port
+    held by another program) would keep torchrun's store client waiting, silently, for about
+    ten minutes; it is found here within ``seconds``. Nothing listening is fine: node 0 serves
+    the store there, or has not started yet (torchrun waits for it and says so).
+    """
+    from ._launch.settings import split_host_port
+    from ._probe import OTHER, what_answers
+
+    address = split_host_port(str(master)) if master else None
+    if address is None or what_answers(*address, seconds) != OTHER:
+        return ""
+    host, port = address
+    return (f"the rendezvous address --master {master} is taken: something accepts "
+            f"connections at {host}:{port} but does not answer as a rendezvous store within "
+            f"{seconds:g} s, so the port is most likely held by another program. Free the "
+            "port, or give --master another one (the same on every node).")
 
 
 def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = "") -> int:
@@ -127,12 +152,51 @@ def interrupted(signum: int) -> int:
 
 
 def failure_exit_code(exc: Any) -> int:
-    """The exit code of the rank that failed first: its own, or 128 + N if signal N killed it."""
-    _, failure = exc.get_first_failure()
-    code = int(failure.exitcode)
-    if code < 0:
-        return 128 + min(-code, 127)
-    return code if 0 < code < 256 else 1
+    """The job's exit code: that of the rank that caused the failure (see ``_verdict``), its
+    own or 128 + N if signal N killed it."""
+    return _verdict(exc)[3]
+
+
+def _code(exitcode: int) -> int:
+    if exitcode < 0:
+        return 128 + min(-exitcode, 127)
+    return exitcode if 0 < exitcode < 256 else 1
+
+
+def _verdict(exc: Any) -> tuple[int, Any, tuple[int, str] | None, int]:
+    """(the rank that caused the failure, its failure or None, (the rank that named it, its
+    message) or None, the exit code).
+
+    The culprit is the rank our ranks' error files name most (``_blame``); else the rank that
+    failed first by itself (not one the launcher stopped with SIGTERM because another had
+    failed). The exit code is the culprit's own, unless the launcher stopped it or it left
+    with 0 (``os._exit(0)``): then the code of the rank that named it.
+    """
+    from ._blame import culprit_of
+
+    failures: dict[int, Any] = dict(getattr(exc, "failures", None) or {})
+    named: dict[int, list[tuple[int, str]]] = {}
+    for rank, failed in sorted(failures.items()):
+        blame = culprit_of(getattr(failed, "error_file_data", None))
+        if blame is not None:
+            named.setdefault(blame[0], []).append((rank, blame[1]))
+    if named:
+        culprit = max(sorted(named), key=lambda r: len(named[r]))  # ties: the lowest rank
+        namers = sorted(named[culprit], key=lambda n: n[0] == culprit)  # another rank first
+        failure = failures.get(culprit)
+        namer = failures[namers[0][0]]
+        code = namer.exitcode
+        if failure is not None and failure.exitcode != 0 and not (
+                failure.exitcode == -signal.SIGTERM and namer.exitcode > 0):
+            code = failure.exitcode  # its own: not stopped by the launcher, not a clean exit
+        return culprit, failure, namers[0], _code(code)
+    by_itself = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM}
+    if by_itself:
+        rank = min(by_itself, key=lambda r: (by_itself[r].timestamp, r))
+        failure = by_itself[rank]
+    else:
+        rank, failure = exc.get_first_failure()
+    return rank, failure, None, _code(int(failure.exitcode))
 
 
 class _DropSignalShutdown(logging.Filter):
@@ -161,18 +225,19 @@ def _quiet_signal_shutdown() -> Iterator[None]:
 
 
 def describe_failure(exc: Any, max_restarts: int) -> str:
-    """torchrun's failure table, then one line naming the rank that failed first and why."""
-    rank, failure = exc.get_first_failure()
-    from ._blame import culprit_of
-
-    for failed_rank, failed in sorted(exc.failures.items()):
-        blame = culprit_of(failed.error_file_data)  # a rank that named another one's fault
-        if blame is not None and blame[0] != failed_rank:
+    """torchrun's failure table, then one line naming the rank that caused the failure and
+    why (see ``_verdict``)."""
+    rank, failure, namer, _ = _verdict(exc)
+    if namer is not None:
+        by, message = namer
+        if by != rank:
             return (
-                f"{exc.format_msg()}\naccel-ctx launch: rank {blame[0]} caused the failure "
-                f"(named by rank {failed_rank}, which exited with code {failed.exitcode}): "
-                f"{blame[1]}\nThe job stopped every rank."
+                f"{exc.format_msg()}\naccel-ctx launch: rank {rank} caused the failure "
+                f"(named by rank {by}, which exited with code "
+                f"{exc.failures[by].exitcode}): {message}\nThe job stopped every rank."
             )
+        return (f"{exc.format_msg()}\naccel-ctx launch: rank {rank} caused the failure: "
+                f"{message}\nThe job stopped every rank.")
     if failure.exitcode < 0:
         how = f"was killed by signal {failure.signal_name()}"
     else:

@@ -99,6 +99,9 @@ def arrive(call: str) -> None:
     n = record.completed + 1
     point = f"{record.prefix}/{n}"
     seconds = arrival_timeout()
+    job = _state.current_job()
+    if job is not None:  # a wait: the heartbeat says so every 30 s, naming the others
+        job.progress.enter(call)
     try:
         store.set(f"{point}/arrived/{rank}", call)
         if store.add(f"{point}/count", 1) == world:  # the last to arrive compares the calls
@@ -120,6 +123,8 @@ def arrive(call: str) -> None:
             "exited: see its output for the cause."
         ) from exc
     record.completed = n
+    if job is not None:
+        job.progress.phase = f"after {call}"
     _forget(store, record.prefix, n - 1, rank)
     if verdict != _OK:
         _refuse(call, rank, json.loads(verdict))
