@@ -20,7 +20,7 @@ from typing import Any, Concatenate, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from . import _state
+from . import _adopt, _state
 from ._barrier import Watch, look_interval, store_and_prefix, whereabouts
 from ._keywait import KeyWait
 from ._options import checked
@@ -56,6 +56,23 @@ def _free_memory() -> None:
     torch: Any = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+
+
+def _adopted_now() -> set[int]:
+    """The models the job has adopted so far (by identity)."""
+    job = _state.current_job()
+    return {id(m) for m in job.adoption.modules} if job is not None else set()
+
+
+def _release_attempt(before: set[int]) -> None:
+    """Forget the models a failed attempt adopted: their DDP engines refer to them, so they
+    would stay in memory until the scope ends (a retry builds new ones); a model the caller
+    still holds is simply adopted again at its next call, on every rank alike."""
+    job = _state.current_job()
+    if job is None:
+        return
+    for module in [m for m in job.adoption.modules if id(m) not in before]:
+        _adopt.release(job, module)
 
 
 _calls = itertools.count()  # every rank makes the same calls in the same order
@@ -211,6 +228,7 @@ def find_executable_batch_size(
             size, call = starting_batch_size, next(_calls)
             tried: list[int] = []
             while True:
+                adopted = _adopted_now()
                 if size < min_batch_size:
                     raise ConfigurationError(
                         f"{getattr(fn, '__qualname__', fn)!s} ran out of memory at every batch "
@@ -229,6 +247,8 @@ def find_executable_batch_size(
                     _free_memory()
                 if not _anyone_ran_out(bool(why), size, call, len(tried), why):
                     return result
+                _release_attempt(adopted)  # on every rank alike: they all retry
+                _free_memory()
                 tried.append(size)
                 size //= 2
 

@@ -89,6 +89,12 @@ def test_nothing_of_ours_is_left_on_a_module_in_one_process():
         assert set(vars(pickle.loads(pickle.dumps(model)))) == before
 
 
+def test_a_model_a_failed_batch_size_attempt_adopted_is_freed_for_the_retry(ranks):
+    _, results = ranks
+    for part in (r["dropped_models"] for r in results):
+        assert part == {"size": 4, "first_freed": True, "second_kept": True}
+
+
 # ---- 4. DDP's own controls -------------------------------------------------------------------------------
 def test_require_backward_grad_sync_and_no_sync_on_the_model_work_as_in_ddp(ranks):
     _, results = ranks

@@ -9,12 +9,14 @@ one rank by rank. One spawned run per world size.
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import os
 import pickle
 import threading
 import traceback
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from accel_ctx import (
     distributed,
+    find_executable_batch_size,
     gather_for_metrics,
     main_print,
     on_main_process,
@@ -345,10 +348,30 @@ def helper_thread() -> dict[str, Any]:
     return seen
 
 
+# ---- 3b. a model dropped by a failed find_executable_batch_size attempt is freed -------------
+def dropped_models() -> dict[str, Any]:
+    built: list[weakref.ref[nn.Module]] = []
+
+    @find_executable_batch_size(starting_batch_size=8)
+    def train(batch_size: int) -> int:
+        model = _linear()
+        built.append(weakref.ref(model))
+        F.mse_loss(model(torch.randn(batch_size, 4)), torch.zeros(batch_size, 1)).backward()
+        if batch_size == 8:  # every rank runs out at 8, after DDP took the model on
+            raise MemoryError("out of memory")
+        return batch_size
+
+    with distributed():
+        size = train()
+        gc.collect()
+        return {"size": size, "first_freed": built[0]() is None,
+                "second_kept": built[1]() is not None}
+
+
 def run_all() -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for section in (tutorial, rank_seeds, saving, ddp_controls, evaluation, identical_inputs,
-                    helper_thread):
+    for section in (tutorial, rank_seeds, saving, dropped_models, ddp_controls, evaluation,
+                    identical_inputs, helper_thread):
         try:
             out[section.__name__] = section()
         except Exception:  # one section's failure fails its tests only
