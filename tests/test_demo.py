@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ._timeouts import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -19,7 +21,7 @@ def test_main_demo_trains_on_two_processes():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
         [launcher, "launch", "-n", "2", "examples/train.py", "--epochs", "2"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(180),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("epoch")]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ._launcher import SCRIPTS, start, stop, stop_all
+from ._timeouts import scaled
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -75,7 +76,7 @@ def _finish_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[in
     try:
         for proc in procs:
             try:
-                codes.append(proc.wait(timeout=timeout))
+                codes.append(proc.wait(timeout=scaled(timeout)))
             except subprocess.TimeoutExpired:
                 codes.append(None)  # hung: reported by the caller's assert
     finally:
@@ -99,7 +100,7 @@ def test_two_hosts_whose_names_resolve_to_loopback_train_as_one_process(two_host
     for node in (1, 0):  # the second node may start first
         proc, log = _start(two_hosts[node][0], [
             "--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "1",
-            "--rdzv-conf", "join_timeout=60", *script], tmp_path, f"node{node}.log")
+            "--rdzv-conf", f"join_timeout={scaled(60):.0f}", *script], tmp_path, f"node{node}.log")
         procs.append(proc)
         logs.append(log)
     codes = _finish_all(procs, 150)
