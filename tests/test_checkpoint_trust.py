@@ -29,7 +29,7 @@ from accel_ctx import distributed, errors, load_state, save_model, save_state
 from accel_ctx._checkpoint import files, guard
 
 from ._spawn import spawn
-from ._timeouts import scaled
+from ._timeouts import hint, scaled
 from .workers import checkpoint_trust as trust
 from .workers.common import MLP, params
 
@@ -232,7 +232,7 @@ def test_a_second_save_into_a_folder_being_saved_into_is_refused(tmp_path):
         deadline = time.monotonic() + scaled(120)
         while not ready.exists() and holder.is_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert ready.exists(), "the holding save never got to its lock"
+        assert ready.exists(), f"the holding save never got to its lock: {hint()}"
         with pytest.raises(errors.CheckpointError) as info:
             save_state(root, model=model)
         text = str(info.value)

@@ -18,7 +18,7 @@ import torch
 
 from ._launcher import SCRIPTS, alive, finish, start, stop, stop_all
 from ._spawn import free_port
-from ._timeouts import scaled
+from ._timeouts import hint, scaled
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,8 @@ def _wait_for(paths: list[Path], proc: subprocess.Popen[bytes], timeout: float) 
     while not all(p.exists() for p in paths):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
-            pytest.fail(f"the workers never started: {[p.name for p in paths]} missing")
+            pytest.fail(f"the workers never started: {[p.name for p in paths]} missing; "
+                        f"{hint()}")
         time.sleep(0.1)
 
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ._launcher import ROOT, SCRIPTS, alive, finish, start, stop_all
-from ._timeouts import scaled
+from ._timeouts import hint, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,8 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
     pid_files = [tmp_path / f"pid.{r}" for r in range(2)]
     deadline = time.monotonic() + scaled(120)
     while not all(p.exists() for p in pid_files):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{log.read_text()}\n{hint()}"
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in pid_files]
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ._launcher import SCRIPTS, start, stop, stop_all
-from ._timeouts import scaled
+from ._timeouts import hint, scaled
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -105,7 +105,7 @@ def test_two_hosts_whose_names_resolve_to_loopback_train_as_one_process(two_host
         logs.append(log)
     codes = _finish_all(procs, 150)
     text = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    assert codes == [0, 0], text
+    assert codes == [0, 0], text + (f"\n{hint()}" if None in codes else "")
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     # the workers met at one node's own address, never at a host name or loopback
@@ -129,7 +129,7 @@ def test_nodes_that_cannot_meet_say_which_address_each_side_tried(two_hosts, tmp
         str(tmp_path)], tmp_path, "node1.log")
     codes = _finish_all([zero, one], 90)
     texts = [zero_log.read_text(), one_log.read_text()]
-    assert codes == [1, 1], texts
+    assert codes == [1, 1], (texts, hint() if None in codes else "")
     for node, text in enumerate(texts):
         veth = two_hosts[node][1]
         assert (f"This node (node rank {node}) reaches the master {HOSTS[0]}:2953{2 + node} "
