@@ -2,7 +2,8 @@
 
 Every command runs with a timeout; past it the launcher gets SIGTERM (torchrun then stops its
 workers, which run in sessions of their own) and, if that is not enough, SIGKILL, so a test can
-fail but never hang.
+fail but never hang. Timeouts are scaled by tests/_timeouts.py's factor (a busy machine); the
+launched scripts get that factor in their environment.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import _timeouts
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
 ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
@@ -22,11 +25,12 @@ STARTED: list[subprocess.Popen[bytes]] = []
 
 
 def stop(proc: subprocess.Popen[bytes], grace: float = 40) -> None:
-    """SIGTERM the launcher's process group, then SIGKILL it if it outlives ``grace`` seconds."""
+    """SIGTERM the launcher's process group, then SIGKILL it if it outlives ``grace`` seconds
+    (scaled)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(timeout=grace)
+            proc.wait(timeout=_timeouts.scaled(grace))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -54,8 +58,8 @@ def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
     """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
     ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit."""
     (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
+    env = {**os.environ, **_timeouts.child_env(), "PYTHONPATH": str(ROOT),
+           "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     for var in drop:
         env.pop(var, None)
     path = tmp_path / log
@@ -68,9 +72,10 @@ def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
 
 
 def finish(proc: subprocess.Popen[bytes], timeout: float) -> int:
-    """The launcher's exit code; past ``timeout`` it is stopped and TimeoutExpired raised."""
+    """The launcher's exit code; past ``timeout`` (scaled) it is stopped and TimeoutExpired
+    raised (tests/conftest.py adds the machine's load to the failure)."""
     try:
-        return proc.wait(timeout=timeout)
+        return proc.wait(timeout=_timeouts.scaled(timeout))
     except subprocess.TimeoutExpired:
         stop(proc)
         raise

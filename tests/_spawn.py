@@ -2,7 +2,8 @@
 
 Rendezvous goes through a FileStore in a temporary folder (no fixed ports). A child that raises
 sends its traceback back; children still running at the timeout are killed, so a test can
-fail but never hang.
+fail but never hang. The timeout is scaled by tests/_timeouts.py's factor (a busy machine), and
+the ranks get that factor in their environment for the timeouts they set themselves.
 
 Ranks fork from a server that imported torch once (multiprocessing's "forkserver" with
 ``PRELOAD``): a rank starts in a fraction of a second instead of the ~3 s a fresh interpreter
@@ -25,6 +26,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+from . import _timeouts
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
            "torch._dynamo", "numpy.random")
@@ -91,13 +94,15 @@ def spawn(
 ) -> list[Any]:
     """Run ``target(*args)`` on ``world`` processes; return the per-rank results in rank order."""
     ctx = context()
+    timeout = _timeouts.scaled(timeout)
+    factor = _timeouts.child_env()
     results = ctx.Queue()
     store_dir = Path(tmp_path) / f"rdzv-{time.monotonic_ns()}"
     store_dir.mkdir(parents=True)
     procs = []
     for rank in range(world):
         extra = env(rank) if env is not None else rank_env(rank, world, store_dir)
-        child_env = {**os.environ, **extra}
+        child_env = {**os.environ, **factor, **extra}
         p = ctx.Process(target=_child, args=(target, rank, world, child_env, args, results))
         p.start()
         procs.append(p)
@@ -130,6 +135,9 @@ def spawn(
         lines = [f"rank {r} raised:\n{tb}" for r, tb in sorted(failures.items())]
         if missing:
             codes = {r: procs[r].exitcode for r in missing}
-            lines.append(f"ranks {missing} sent no result (exit codes {codes}, timeout {timeout}s)")
+            lines.append(f"ranks {missing} sent no result (exit codes {codes}, timeout "
+                         f"{timeout:.0f}s)")
+        if missing or any("timed out" in tb or "Timeout" in tb for tb in failures.values()):
+            lines.append(_timeouts.hint())
         raise WorkerFailed("\n".join(lines))
     return [pickle.loads(collected[r][1]) for r in range(world)]

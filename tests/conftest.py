@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -13,6 +14,8 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from accel_ctx import _patches, _state
+
+from . import _timeouts
 
 torch.set_num_threads(1)
 
@@ -90,3 +93,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+class TimedOut(AssertionError):
+    """A subprocess outlived its (scaled) timeout; the message says how loaded the machine was."""
+
+
+def _timed_out(exc: subprocess.TimeoutExpired) -> TimedOut:
+    return TimedOut(f"{exc}\n{_timeouts.hint()}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    try:
+        return (yield)
+    except subprocess.TimeoutExpired as exc:
+        raise _timed_out(exc) from exc
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    try:
+        return (yield)
+    except subprocess.TimeoutExpired as exc:
+        raise _timed_out(exc) from exc

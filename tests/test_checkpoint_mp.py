@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from ._spawn import spawn
+from ._timeouts import scaled
 from .workers import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_ends_the_same(run
                                  str(ckpt), str(out), "10"], cwd=tmp_path, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        code = proc.wait(timeout=300)
+        code = proc.wait(timeout=scaled(300))
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

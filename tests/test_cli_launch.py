@@ -18,6 +18,7 @@ import torch
 
 from ._launcher import SCRIPTS, alive, finish, start, stop, stop_all
 from ._spawn import free_port
+from ._timeouts import hint, scaled
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -32,11 +33,12 @@ def _no_job_left_behind():
 
 
 def _wait_for(paths: list[Path], proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while not all(p.exists() for p in paths):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop(proc)
-            pytest.fail(f"the workers never started: {[p.name for p in paths]} missing")
+            pytest.fail(f"the workers never started: {[p.name for p in paths]} missing; "
+                        f"{hint()}")
         time.sleep(0.1)
 
 
@@ -47,7 +49,7 @@ def test_two_launchers_with_nnodes_2_form_one_world_of_4_and_train_equivalently(
     script = [str(SCRIPTS / "train_save.py"), str(out), str(BATCH)]
     nodes = [
         start(["--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "2",
-                "--rdzv-conf", "join_timeout=60", *script], tmp_path, f"node{node}.log")
+                "--rdzv-conf", f"join_timeout={scaled(60):.0f}", *script], tmp_path, f"node{node}.log")
         for node in (1, 0)  # the second node may start first
     ]
     codes = [finish(proc, 150) for proc, _ in nodes]
@@ -73,7 +75,7 @@ def test_a_killed_rank_ends_the_job_within_seconds_naming_it(tmp_path):
     code = finish(proc, 60)
     elapsed = time.monotonic() - killed_at
     text = log.read_text()
-    assert code != 0 and elapsed < 30, text
+    assert code != 0 and elapsed < scaled(30), text
     assert "rank 1 (local rank 1" in text and "SIGKILL" in text and "--max-restarts" in text
     assert not alive(pids[0])  # the surviving rank was stopped too
     assert not list(tmp_path.glob("done.*"))
@@ -99,7 +101,7 @@ def test_a_node_that_never_comes_fails_within_the_rendezvous_timeout(tmp_path):
                         str(SCRIPTS / "crash.py"), str(tmp_path)], tmp_path, "job.log")
     code = finish(proc, 90)
     text = log.read_text()
-    assert code == 1 and time.monotonic() - began < 60, text
+    assert code == 1 and time.monotonic() - began < scaled(60), text
     assert "rendezvous at 127.0.0.1" in text and "did not complete with 2 node(s)" in text
     assert "join_timeout" in text
     assert not list(tmp_path.glob("pid.*"))  # no worker ever started

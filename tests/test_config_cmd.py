@@ -18,6 +18,8 @@ from accel_ctx._launch import config as _config
 from accel_ctx._launch.config_cmd import config_main
 from accel_ctx.cli import main
 
+from ._timeouts import scaled
+
 ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 
 
@@ -100,7 +102,7 @@ def _drive(argv, answers, cwd, env, timeout=60.0):
                             start_new_session=True)
     os.close(slave)
     transcript, pending = b"", list(answers)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     try:
         while time.monotonic() < deadline:
             ready, _, _ = select.select([master], [], [], 0.5)

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from ._timeouts import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
@@ -32,7 +34,7 @@ def test_main_demo_prints_what_the_readme_shows():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(  # the README's command: `./dev demo` runs it
         [launcher, "launch", "-n", "2", "examples/train.py"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(600),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     printed = out.stdout.splitlines()

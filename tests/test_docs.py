@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ._timeouts import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 INCLUDE = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"\s*$')
@@ -79,7 +81,7 @@ def test_the_runnable_blocks_run(tmp_path):
     (tmp_path / "blocks.json").write_text(json.dumps(runnable))
     (tmp_path / "run.py").write_text(script)
     out = subprocess.run([sys.executable, "run.py", "blocks.json"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=scaled(300))
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
 
 

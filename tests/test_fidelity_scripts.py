@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from ._launcher import ROOT, SCRIPTS, finish, start, stop_all
+from ._timeouts import scaled
 
 LINES = re.compile(r"(rank \d+ epoch \d+ batches [0-9a-f]{12}|rank \d+ weights [0-9a-f]{12}"
                    r"|loaded epochs_run \d+ [0-9a-f]{12})")
@@ -33,7 +34,7 @@ def test_the_ddp_tutorial_migrated_trains_on_the_same_batches_and_saves_what_loa
     by_hand = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          script, str(tmp_path / "hand.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(180))
     assert by_hand.returncode == 0, by_hand.stdout + by_hand.stderr
     proc, log = start(["-n", "2", script, str(tmp_path / "accel.pt"), "--accel"], tmp_path,
                       "accel.log")

@@ -7,6 +7,8 @@ import sys
 
 import accel_ctx
 
+from ._timeouts import scaled
+
 
 def test_every_public_name_resolves_under_the_public_module():
     for name in accel_ctx.__all__:
@@ -25,7 +27,7 @@ def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded():
         "assert 'accel_ctx._checkpoint' in sys.modules and 'accel_ctx._launch' in sys.modules\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120)
+                            timeout=scaled(120))
     assert result.returncode == 0, result.stderr
 
 
@@ -44,6 +46,6 @@ def test_the_commands_help_and_config_import_no_torch(tmp_path):
         "assert 'torch' in sys.modules  # a name loads its module on first use\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path, env={**__import__("os").environ,
+                            timeout=scaled(120), cwd=tmp_path, env={**__import__("os").environ,
                                                             "HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr

@@ -21,6 +21,8 @@ from accel_ctx._precision_names import ALIASES, POLICIES
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 
+from ._timeouts import scaled
+
 ARITY = torchrun_arity()
 NAMES = sorted({*POLICIES, *ALIASES})
 ROOT = Path(__file__).resolve().parents[1]
@@ -127,5 +129,5 @@ assert "torch" not in sys.modules
 """
     env = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "PATH": "/usr/bin:/bin"}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=tmp_path, env=env, timeout=120)
+                            cwd=tmp_path, env=env, timeout=scaled(120))
     assert result.returncode == 0, result.stderr

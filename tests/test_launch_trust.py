@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ._launcher import ROOT, SCRIPTS, alive, finish, start, stop_all
+from ._timeouts import hint, scaled
 
 pytestmark = pytest.mark.slow
 
@@ -35,9 +36,10 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
 
     proc, log = start(["-n", "2", str(SCRIPT), "wait", str(tmp_path)], tmp_path, "int.log")
     pid_files = [tmp_path / f"pid.{r}" for r in range(2)]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while not all(p.exists() for p in pid_files):
-        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{log.read_text()}\n{hint()}"
         time.sleep(0.1)
     pids = [int(p.read_text()) for p in pid_files]
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole foreground group
@@ -45,7 +47,7 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
     lines = log.read_text().splitlines()
     assert code == 130, lines
     assert lines == ["accel-ctx launch: interrupted (Ctrl-C); every worker was stopped."]
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + scaled(30)
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in pids)

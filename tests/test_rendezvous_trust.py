@@ -12,9 +12,10 @@ import socket
 import pytest
 
 from ._spawn import free_port, spawn
+from ._timeouts import scaled
 from .workers import rendezvous_trust
 
-TIMEOUT = 6.0
+TIMEOUT = 6.0  # seconds, scaled (a busy machine: the peers of a mismatch must meet in time)
 
 
 def _env(rank: int, world: int, port: int) -> dict[str, str]:
@@ -36,14 +37,14 @@ def broken_jobs(tmp_path_factory):
             _env(1, 2, nobody),  # rank 0 never starts: nothing listens
         ]
         results = spawn(rendezvous_trust.enter, len(envs), tmp_path_factory.mktemp("rdzv"),
-                        TIMEOUT, env=lambda i: envs[i], timeout=150)
+                        scaled(TIMEOUT), env=lambda i: envs[i], timeout=150)
     return dict(zip(["mismatch0", "mismatch1", "held0", "held1", "alone0", "nobody1"],
                     results, strict=True))
 
 
 def _ended_in_time(result):
     assert result["error"] is not None, result
-    assert result["elapsed"] < TIMEOUT + 30, result  # bounded, never the 10-minute default
+    assert result["elapsed"] < scaled(TIMEOUT + 30), result  # bounded, never the 10-minute default
 
 
 def test_world_size_mismatch_is_named_on_both_ranks(broken_jobs):

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel_ctx import _patches, _state, accumulate, distributed, mixed_precision, state
 from accel_ctx.errors import ConfigurationError, MisnestedScopeError
 
+from ._timeouts import scaled
 from .conftest import assert_stock
 from .workers.common import params, train
 
@@ -51,7 +52,8 @@ def test_import_patches_nothing():
         "assert dict(os.environ) == env and threading.active_count() == threads\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=scaled(120))
     assert out.stdout.strip() == "ok", out.stderr
 
 
@@ -161,7 +163,7 @@ def test_scope_in_one_thread_does_not_touch_another_thread():
     thread.start()
     with distributed(), mixed_precision("bf16"):
         ready.wait()
-        done.wait(timeout=30)
+        done.wait(timeout=scaled(30))
     thread.join()
     assert seen["iterator"] == "_SingleProcessDataLoaderIter"
     assert seen["len"] == 4

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from ._launcher import SCRIPTS, start, stop, stop_all
+from ._timeouts import hint, scaled
 from .workers.common import params, train
 
 pytestmark = pytest.mark.slow
@@ -75,7 +76,7 @@ def _finish_all(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[in
     try:
         for proc in procs:
             try:
-                codes.append(proc.wait(timeout=timeout))
+                codes.append(proc.wait(timeout=scaled(timeout)))
             except subprocess.TimeoutExpired:
                 codes.append(None)  # hung: reported by the caller's assert
     finally:
@@ -99,12 +100,12 @@ def test_two_hosts_whose_names_resolve_to_loopback_train_as_one_process(two_host
     for node in (1, 0):  # the second node may start first
         proc, log = _start(two_hosts[node][0], [
             "--nnodes", "2", "--node-rank", str(node), "--master", master, "-n", "1",
-            "--rdzv-conf", "join_timeout=60", *script], tmp_path, f"node{node}.log")
+            "--rdzv-conf", f"join_timeout={scaled(60):.0f}", *script], tmp_path, f"node{node}.log")
         procs.append(proc)
         logs.append(log)
     codes = _finish_all(procs, 150)
     text = "\n".join(f"--- {log.name}\n{log.read_text()[-3000:]}" for log in logs)
-    assert codes == [0, 0], text
+    assert codes == [0, 0], text + (f"\n{hint()}" if None in codes else "")
     ranks = [torch.load(out / f"rank{r}.pt") for r in range(2)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     # the workers met at one node's own address, never at a host name or loopback
@@ -128,7 +129,7 @@ def test_nodes_that_cannot_meet_say_which_address_each_side_tried(two_hosts, tmp
         str(tmp_path)], tmp_path, "node1.log")
     codes = _finish_all([zero, one], 90)
     texts = [zero_log.read_text(), one_log.read_text()]
-    assert codes == [1, 1], texts
+    assert codes == [1, 1], (texts, hint() if None in codes else "")
     for node, text in enumerate(texts):
         veth = two_hosts[node][1]
         assert (f"This node (node rank {node}) reaches the master {HOSTS[0]}:2953{2 + node} "

@@ -2,7 +2,8 @@
 
 usage: crash.py OUT_DIR
 Every attempt (TORCHELASTIC_RESTART_COUNT) writes OUT_DIR/pid.{attempt}.{rank}. The first
-attempt steps until the test kills a rank (or 60 s pass: then it fails, so a test never hangs);
+attempt steps until the test kills a rank (or 60 s pass, scaled as the tests' timeouts are: then
+it fails, so a test never hangs);
 a restarted attempt takes a few steps, writes OUT_DIR/done.{rank} and exits cleanly.
 """
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from accel_ctx import distributed, state
+from tests._timeouts import scaled
 
 out = Path(sys.argv[1])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -29,10 +31,10 @@ def publish(name: str, text: str) -> None:
     os.replace(tmp, out / name)  # the test never reads half a file
 
 
-with distributed(timeout=60):
+with distributed(timeout=scaled(60)):
     rank, precision = state().rank, state().mixed_precision
     publish(f"pid.{attempt}.{rank}", str(os.getpid()))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + scaled(60)
     steps = 0
     while (steps < 5) if attempt > 0 else (time.monotonic() < deadline):
         value = torch.ones(())

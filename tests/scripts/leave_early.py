@@ -3,8 +3,9 @@
 import torch
 
 from accel_ctx import distributed, state
+from tests._timeouts import scaled  # a busy machine: the tests' factor
 
-with distributed(timeout=60):
+with distributed(timeout=scaled(60)):
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

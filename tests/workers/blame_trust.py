@@ -32,6 +32,9 @@ from accel_ctx import (
     wait_for_everyone,
 )
 
+from .._timeouts import scaled
+
+# seconds, scaled where used (tests/_timeouts.py: a busy machine), the test's bounds alike
 STALL_TIMEOUT = 10.0  # distributed(timeout=...) where a rank stalls: the gloo timeout that applies
 LONG = 120.0  # where the others must raise at once: far longer than any test waits
 
@@ -47,7 +50,7 @@ def _attempt(scenario: Callable[[], None]) -> tuple[str, str, Any, float]:
 
 
 def _wait_for_flag(path: Path, limit: float = 90.0) -> None:
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + scaled(limit)
     while not path.exists() and time.monotonic() < deadline:
         time.sleep(0.2)
 
@@ -82,7 +85,7 @@ def stall_in_forward(folder: Path) -> Callable[[], None]:
 
     def scenario() -> None:
         try:
-            with distributed(timeout=STALL_TIMEOUT):
+            with distributed(timeout=scaled(STALL_TIMEOUT)):
                 torch.manual_seed(0)
                 _train(Sleepy(flag, 1, 3), 6)
         finally:
@@ -95,14 +98,14 @@ def stall_in_forward(folder: Path) -> Callable[[], None]:
 def leave_then_backward() -> None:
     """Rank 1 returns from its loop at step 3 and leaves distributed(); rank 0's next
     backward raises at once naming it."""
-    with distributed(timeout=LONG):
+    with distributed(timeout=scaled(LONG)):
         torch.manual_seed(0)
         _train(nn.Linear(4, 2), 6, stop=lambda s: state().rank == 1 and s == 3)
 
 
 def leave_then_barrier() -> None:
     """Rank 1 leaves after two steps; rank 0 waits in wait_for_everyone(): raises at once."""
-    with distributed(timeout=LONG):
+    with distributed(timeout=scaled(LONG)):
         torch.manual_seed(0)
         _train(nn.Linear(4, 2), 2)
         if state().rank != 1:
@@ -111,15 +114,15 @@ def leave_then_barrier() -> None:
 
 def leave_then_debug_check() -> None:
     """Rank 1 leaves; rank 0's debug-mode gather() raises at once naming it."""
-    with distributed(timeout=LONG, debug=True):
+    with distributed(timeout=scaled(LONG), debug=True):
         if state().rank != 1:
-            time.sleep(0.5)
+            time.sleep(scaled(0.5))
             gather(torch.ones(2))
 
 
 def rank_only_calls(folder: Path, out: dict[str, tuple[str, str, Any, float]]) -> None:
     """Collective entry points inside rank-only code raise at once, naming the decorator."""
-    with distributed(timeout=LONG):
+    with distributed(timeout=scaled(LONG)):
         torch.manual_seed(0)
         model = nn.Linear(4, 2)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -155,14 +158,14 @@ def rank_only_calls(folder: Path, out: dict[str, tuple[str, str, Any, float]]) -
 def main_first_collective() -> None:
     """A collective inside main_process_first() on rank 0: refused, and the waiting ranks
     are released naming rank 0."""
-    with distributed(timeout=LONG), main_process_first():
+    with distributed(timeout=scaled(LONG)), main_process_first():
         gather(torch.ones(1))
 
 
 def run_all(folder: str) -> dict[str, Any]:
     root = Path(folder)
     results: dict[str, Any] = {}
-    with distributed(timeout=LONG):  # everyone started: the scenarios begin together
+    with distributed(timeout=scaled(LONG)):  # everyone started: the scenarios begin together
         wait_for_everyone()
     results["stall"] = _attempt(stall_in_forward(root))
     results["leave_backward"] = _attempt(leave_then_backward)
@@ -186,6 +189,6 @@ def rank_dies() -> tuple[str, str, Any, float]:
 
 
 def _dies_at_step_2() -> None:
-    with distributed(timeout=LONG):
+    with distributed(timeout=scaled(LONG)):
         torch.manual_seed(0)
         _train(nn.Linear(4, 2), 6, stop=lambda s: state().rank == 1 and s == 2 and os._exit(3))

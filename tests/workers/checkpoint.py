@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 
 from accel_ctx import accumulate, distributed, load_state, mixed_precision, save_state, state
 
+from .._timeouts import scaled
 from .common import make_data, params
 
 EPOCHS = 3
@@ -52,7 +53,7 @@ def run(ckpt: str, *, k: int, fp16: bool, dropout: float, stop: int | None = Non
         n: int = 96) -> dict[str, Any]:
     """The user's script. Returns the final (or stopped) state of this rank."""
     precision = mixed_precision("fp16" if fp16 else "no", init_scale=2.0**20, growth_interval=3)
-    with distributed(timeout=60), precision, accumulate(k):
+    with distributed(timeout=scaled(60)), precision, accumulate(k):
         torch.manual_seed(0)
         random.seed(0)
         np.random.seed(0)
@@ -142,7 +143,7 @@ def resume_other_world(root: str) -> dict[str, Any]:
 
 def uneven_rng(ckpt: str, stop: int | None = None) -> list[float]:
     """Rank 1 alone draws from torch's RNG at every batch; a resumed run must draw the same."""
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         torch.manual_seed(0)
         loader = DataLoader(make_data(), batch_size=BATCH, shuffle=True)
         resumed = load_state(ckpt, loader=loader) if stop is None else None
@@ -162,7 +163,7 @@ def train_script(ckpt: Path, out: Path, save_every: int, crash_after: int | None
     import signal
 
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    with distributed(timeout=60), mixed_precision("fp16", init_scale=2.0**20, growth_interval=3), \
+    with distributed(timeout=scaled(60)), mixed_precision("fp16", init_scale=2.0**20, growth_interval=3), \
             accumulate(2):
         torch.manual_seed(0)
         model = Net(0.2)

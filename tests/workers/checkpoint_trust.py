@@ -25,6 +25,7 @@ from accel_ctx import (
 )
 from accel_ctx._checkpoint import files, find, guard, sums
 
+from .._timeouts import scaled
 from .common import MLP, params
 
 
@@ -37,7 +38,7 @@ def _error(call: Callable[[], object]) -> str:
 
 
 def _wait_for(path: Path, seconds: float = 40.0) -> None:
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + scaled(seconds)
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} never appeared")  # the test fails, within its time
@@ -62,11 +63,12 @@ def one_rank_calls(root: str) -> dict[str, Any]:
     """On 2 ranks: save_state, save_model and load_state on rank 0 alone, then rank 1 late;
     different calls on the two ranks; then every rank saves and loads as it should (the ranks
     still agree)."""
-    os.environ[guard.ARRIVAL_ENV] = "4"  # not the default 60 s (this is a spawned child)
-    out: dict[str, Any] = {}
+    # not the default 60 s (this is a spawned child); scaled: the mixed calls below must meet
+    os.environ[guard.ARRIVAL_ENV] = f"{scaled(4):g}"
+    out: dict[str, Any] = {"arrival": os.environ[guard.ARRIVAL_ENV]}
     folder = Path(root)
     folder.mkdir(exist_ok=True)
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         rank = state().rank
         torch.manual_seed(0)  # the same weights on both ranks: what DCP saves once
         model = MLP()
@@ -99,7 +101,7 @@ def damage_and_full_disk(root: str) -> dict[str, Any]:
     full, so both ranks raise and nothing is left of that save."""
     out: dict[str, Any] = {}
     folder = Path(root)
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         rank = state().rank
         torch.manual_seed(0)
         model = MLP()
@@ -150,7 +152,7 @@ def hold_the_lock(root: str, ready: str) -> None:
 
     def stalled(*args: Any, **kwargs: Any) -> Path:
         Path(ready).write_text(str(os.getpid()))
-        time.sleep(120)  # the test kills this process long before
+        time.sleep(scaled(120))  # the test kills this process long before
         os.kill(os.getpid(), signal.SIGKILL)
         return publish(*args, **kwargs)
 

@@ -2,6 +2,8 @@
 
 Every scenario opens its own distributed() scope (a fresh process group), so the ranks meet
 again after the previous scenario's errors. Each returns (exception type, message, seconds).
+Timeouts and waits are scaled (tests/_timeouts.py: a busy machine), the bounds the test checks
+alike.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from accel_ctx import (
     state,
     wait_for_everyone,
 )
+
+from .._timeouts import scaled
 
 
 @on_main_process
@@ -68,18 +72,18 @@ def with_block_fails() -> None:
 
 
 def plain_if_fails() -> None:
-    with distributed(timeout=30):
+    with distributed(timeout=scaled(30)):
         if state().is_main_process:
             raise ValueError("left the scope")  # any exception leaving distributed() is announced
         wait_for_everyone()
 
 
 def silent_rank_times_out() -> None:
-    with distributed(timeout=4):
+    with distributed(timeout=scaled(4)):
         if not state().is_main_process:
             wait_for_everyone()  # rank 0 never comes and never fails: the timeout names it
         else:
-            time.sleep(6)
+            time.sleep(scaled(6))
 
 
 def collective_after_failure() -> None:
@@ -142,8 +146,8 @@ def run_all() -> dict[str, Any]:
 
 def dead_peer() -> tuple[str, str, float]:
     """Rank 2's process dies without a word; the others wait for it at a sync point."""
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         if state().rank == 2:
-            time.sleep(1.5)  # its heartbeat has published where it is
+            time.sleep(scaled(1.5))  # its heartbeat has published where it is
             os._exit(3)
         return _attempt(wait_for_everyone)

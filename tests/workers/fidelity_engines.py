@@ -22,6 +22,7 @@ from accel_ctx import (
 )
 from accel_ctx.errors import ConfigurationError
 
+from .._timeouts import scaled
 from .sharded import full_weights
 
 WIDTH = 16
@@ -85,7 +86,7 @@ def train(batch: int, *, upcast: bool = False, opt_after: bool = False, scope: s
     hand = scope in ("autocast", "hand")
     with contextlib.ExitStack() as stack:
         if scope in ("sharded", "hand"):
-            stack.enter_context(distributed(timeout=60))
+            stack.enter_context(distributed(timeout=scaled(60)))
         if scope in ("sharded", "one process"):
             stack.enter_context(sharded())
         if not hand:
@@ -125,7 +126,7 @@ def train(batch: int, *, upcast: bool = False, opt_after: bool = False, scope: s
 def mixed_dtypes(batch: int, root: str) -> dict[str, Any]:
     """On W ranks: the mixed model refused without a precision scope, upcast under one."""
     out: dict[str, Any] = {}
-    with distributed(timeout=60), sharded():
+    with distributed(timeout=scaled(60)), sharded():
         model = mixed_model()
         try:
             model(torch.randn(2, 6))
@@ -141,7 +142,7 @@ def mixed_dtypes(batch: int, root: str) -> dict[str, Any]:
     out["by_hand"] = train(batch, upcast=True)
     out["fsdp_by_hand"] = train(batch, scope="hand")
     # a fresh mixed model and optimizer resume from the checkpoint: upcast, then loaded
-    with distributed(timeout=60), sharded(), mixed_precision("bf16"), warnings.catch_warnings():
+    with distributed(timeout=scaled(60)), sharded(), mixed_precision("bf16"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = mixed_model()
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)

@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader
 from accel_ctx import distributed, sharded, skip_first_batches
 from accel_ctx.errors import AccelCtxError
 
+from .._timeouts import scaled
+
 
 class Block(nn.Module):
     def __init__(self) -> None:
@@ -54,18 +56,18 @@ def misuse() -> dict[str, Any]:
     x = torch.ones(2, 4)
     for name, blocks in (("missing_class", [nn.Conv2d]),
                          ("missing_fn", lambda m: isinstance(m, nn.Conv2d))):
-        with distributed(timeout=60), sharded(blocks=blocks):
+        with distributed(timeout=scaled(60)), sharded(blocks=blocks):
             model = Net()
             out[name] = _error_of(lambda model=model: model(x))
             out[f"{name}_left_unsharded"] = not _sharded_now(model)
-    with distributed(timeout=60), sharded(blocks=[Block]):  # the job goes on, and works
+    with distributed(timeout=scaled(60)), sharded(blocks=[Block]):  # the job goes on, and works
         model = Net()
         model(x).sum().backward()
         out["named_blocks_shard"] = _sharded_now(model)
 
     loader = DataLoader(list(range(8)), batch_size=2)  # 4 batches: 2 per rank on 2 ranks
     skip_first_batches(loader, 3)  # outside a scope: within the 4 of one process
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         out["skip_at_iteration"] = _error_of(lambda: list(loader))
         out["skip_at_call"] = _error_of(lambda: skip_first_batches(loader, 3))
         out["skip_all"] = [b.tolist() for b in skip_first_batches(loader, 2)]

@@ -33,3 +33,14 @@ def two_groups_with_a_late_peer() -> list[int]:
         return [by_hand(_rank) for _ in range(3)]
     finally:
         dist.destroy_process_group = stock_destroy
+
+
+def timeouts_seen() -> tuple[float, float]:
+    """The factor a rank's own timeouts are scaled by, and 10 s scaled."""
+    from .._timeouts import factor, scaled
+
+    return factor(), scaled(10)
+
+
+def sleep(seconds: float) -> None:
+    time.sleep(seconds)

@@ -32,18 +32,18 @@ def train_params(kind: str, batch_size: int) -> dict[str, Any]:
         return params(train(kind, batch_size))
 
 
-def fail_on(rank: int, message: str) -> None:
+def fail_on(rank: int, message: str, wait: float = 60) -> None:
     """Rank ``rank`` raises ValueError(message); the others wait as if in a collective."""
     if int(os.environ["RANK"]) == rank:
         raise ValueError(message)
-    time.sleep(60)
+    time.sleep(wait)
 
 
-def die_on(rank: int) -> None:
+def die_on(rank: int, wait: float = 60) -> None:
     """Rank ``rank`` is killed by SIGKILL; the others wait."""
     if int(os.environ["RANK"]) == rank:
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
+    time.sleep(wait)
 
 
 def sleep(seconds: float) -> None:
@@ -58,14 +58,14 @@ def unpicklable_result() -> Any:
     return lambda: None
 
 
-def die_leaving_a_child(rank: int) -> None:
+def die_leaving_a_child(rank: int, hold: float = 6, wait: float = 60) -> None:
     """Rank ``rank`` forks a helper (as a DataLoader does) that outlives it, then is killed."""
     if int(os.environ["RANK"]) == rank:
-        if os.fork() == 0:  # the helper keeps every inherited descriptor open for 6 s
-            time.sleep(6)
+        if os.fork() == 0:  # the helper keeps every inherited descriptor open for ``hold`` s
+            time.sleep(hold)
             os._exit(0)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(60)
+    time.sleep(wait)
 
 
 def device_of_rank() -> str:

@@ -26,7 +26,9 @@ from accel_ctx import (
     synchronize_rng_states,
 )
 
-TIMEOUT = 60.0
+from .._timeouts import scaled
+
+TIMEOUT = 60.0  # seconds, scaled where used (tests/_timeouts.py: a busy machine)
 
 
 class Squares(Dataset[int]):
@@ -63,7 +65,7 @@ def set_epoch() -> dict[str, Any]:
     out: dict[str, Any] = {}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     data = list(range(24))
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         # a user's own DistributedSampler: told each epoch, not sharded a second time
         sampler = DistributedSampler(data, shuffle=True, seed=5)
         loader = DataLoader(data, batch_size=3, sampler=sampler)
@@ -106,7 +108,7 @@ def positions() -> dict[str, Any]:
         return DataLoader(data, batch_size=2, shuffle=True,
                           generator=torch.Generator().manual_seed(7))
 
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         torch.manual_seed(11)
         whole = loader()
         out["whole"] = [_ids(list(whole)) for _ in range(2)]
@@ -129,7 +131,7 @@ def positions() -> dict[str, Any]:
 
 def awareness() -> dict[str, Any]:
     out: dict[str, Any] = {"seen": []}
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         loader = DataLoader(list(range(12)), batch_size=2)
         out["before"] = (state().loader, state().end_of_loader)
         for _ in loader:
@@ -146,7 +148,7 @@ def awareness() -> dict[str, Any]:
 def decisions() -> dict[str, Any]:
     out: dict[str, Any] = {}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         out["any_last"] = any_rank(rank == world - 1)
         out["any_none"] = any_rank(False)
         out["all_true"] = all_ranks(torch.tensor(1.0))
@@ -261,14 +263,14 @@ def comm_hooks() -> dict[str, Any]:
                "powersgd-rank2": PowerSGD(rank=2, start_iter=2)}
     for spec in ("none", "fp16", "powersgd", "powersgd-now", "powersgd-rank2"):  # bf16: CUDA
         out[f"hand_{spec}"] = by_hand(_train_hooked, mine, spec, False)
-        with distributed(timeout=TIMEOUT, comm_hook=options.get(spec, spec)):
+        with distributed(timeout=scaled(TIMEOUT), comm_hook=options.get(spec, spec)):
             out[spec] = _train_hooked(list(DataLoader(data, batch_size=4)), spec, True)
     for how in ("hand", "shared"):
         out[f"two_{how}"] = by_hand(_train_two, mine, how)
-    with distributed(timeout=TIMEOUT, comm_hook=PowerSGD(rank=2, start_iter=2)):
+    with distributed(timeout=scaled(TIMEOUT), comm_hook=PowerSGD(rank=2, start_iter=2)):
         out["two_scoped"] = _train_two(list(DataLoader(data, batch_size=4)), "scoped")
     try:
-        with distributed(timeout=TIMEOUT, comm_hook="bf16"):
+        with distributed(timeout=scaled(TIMEOUT), comm_hook="bf16"):
             pass
     except ValueError as exc:
         out["bf16_refused"] = str(exc)
@@ -303,7 +305,7 @@ def batch_sizes() -> dict[str, Any]:
 
     rank, _world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     out: dict[str, Any] = {"tried": [], "trained_tried": []}
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         @find_executable_batch_size(starting_batch_size=64)
         def probe(batch_size: int) -> int:
             out["tried"].append(batch_size)
@@ -331,7 +333,7 @@ def batch_sizes() -> dict[str, Any]:
         out["trained"] = train()
     start = time.monotonic()
     try:
-        with distributed(timeout=TIMEOUT):
+        with distributed(timeout=scaled(TIMEOUT)):
             @find_executable_batch_size(starting_batch_size=32)
             def lopsided(batch_size: int) -> None:
                 model = _Hungry(limit=8 if rank == 1 else 64)  # rank 1 runs out alone
@@ -353,7 +355,7 @@ def watch(folder: str) -> dict[str, Any]:
     from accel_ctx import log_metrics, progress, reduce
 
     out: dict[str, Any] = {}
-    with distributed(timeout=TIMEOUT):
+    with distributed(timeout=scaled(TIMEOUT)):
         loader = DataLoader(list(range(12)), batch_size=2)
         drawn = io.StringIO()
         with contextlib.redirect_stderr(drawn):

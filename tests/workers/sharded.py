@@ -29,6 +29,8 @@ from accel_ctx import (
     state,
 )
 
+from .._timeouts import scaled
+
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 24, 2, 3, 8
 
 
@@ -100,12 +102,12 @@ def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
 def scope(kind: str, k: int) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         if kind == "ddp":
-            stack.enter_context(distributed(timeout=60))
+            stack.enter_context(distributed(timeout=scaled(60)))
         elif kind == "sharded":
-            stack.enter_context(distributed(timeout=60))
+            stack.enter_context(distributed(timeout=scaled(60)))
             stack.enter_context(sharded())
         elif kind == "sharded_alone":
-            stack.enter_context(sharded(timeout=60))
+            stack.enter_context(sharded(timeout=scaled(60)))
         if k > 1:
             stack.enter_context(accumulate(k))
         yield
@@ -304,7 +306,7 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
                           "blocks_fn": {"blocks": lambda m: isinstance(m, nn.LayerNorm)},
                           "hsdp": {"shard_size": 1},
                           "keep_gathered": {"reshard_after_forward": False}}.items():
-        with distributed(timeout=60), sharded(**options):
+        with distributed(timeout=scaled(60)), sharded(**options):
             torch.manual_seed(0)
             model = GPT()
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -319,7 +321,7 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
                                          if isinstance(m, FSDPModule)),
                          "mesh": list(model.wte.weight.device_mesh.shape)}
     # no_sync(): the user's own accumulation, the reduce-scatter once per pair
-    with distributed(timeout=60), sharded():
+    with distributed(timeout=scaled(60)), sharded():
         torch.manual_seed(0)
         model = GPT()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -336,7 +338,7 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
         out["no_sync"] = full_weights(model)
         # rank-only code cannot run a sharded model: it would wait for the other ranks
         out["rank_only"] = error_of(lambda: on_main_process(lambda: model(batches[0][0]))())
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         with sharded():
             model = GPT()
             model(batches[0][0]).sum().backward()
@@ -346,7 +348,7 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
                 lambda: on_main_process(lambda: model(batches[0][0]))())
             out["after_sharded_scope_all"] = tuple(model(batches[0][0]).shape)
         # a model that trains with DDP cannot be sharded in the same job afterwards
-    with distributed(timeout=60):
+    with distributed(timeout=scaled(60)):
         ddp_model = GPT()
         ddp_model(batches[0][0]).sum().backward()
         with sharded():
@@ -360,12 +362,12 @@ def options_and_misuse(batch: int) -> dict[str, Any]:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x * self.scale
 
-    with distributed(timeout=60), sharded():
+    with distributed(timeout=scaled(60)), sharded():
         with torch.device("meta"):
             raw = Raw()
         out["meta_without_reset"] = error_of(lambda: raw(torch.ones(2, 4)))
     out["cpu_offload_on_cpu"] = None
-    with distributed(timeout=60), sharded(cpu_offload=True):
+    with distributed(timeout=scaled(60)), sharded(cpu_offload=True):
         out["cpu_offload_on_cpu"] = error_of(lambda: GPT()(batches[0][0]))
     out["bad_blocks"] = error_of(lambda: sharded(blocks=["Block"]))  # type: ignore[list-item]
     out["bad_shard_size"] = error_of(lambda: sharded(shard_size=0))
