@@ -16,6 +16,7 @@ import pytest
 
 from ._launcher import SCRIPTS, finish, start, stop_all
 from ._spawn import free_port, rank_env, spawn
+from ._timeouts import scaled
 from .workers import fidelity_waits, rendezvous_trust
 
 SCRIPT = SCRIPTS / "fidelity_waits.py"
@@ -51,7 +52,7 @@ def test_ranks_in_different_collectives_raise_at_once_on_every_rank(different_ca
             assert message.startswith(f"rank {rank}: "), message
             assert "different calls" in message and "No rank got a result" in message, message
             assert f"rank 0: {first}" in message and f"rank {last}: {odd}" in message, message
-            assert got["seconds"] < 20, (case, got)  # at once, not at the 40 s timeout
+            assert got["seconds"] < scaled(20), (case, got)  # at once, not at the 40 s timeout
             assert res[case + "/after"]["value"] == list(range(world)), (case, rank)
 
 
@@ -67,7 +68,7 @@ def test_gather_object_and_small_reduces_still_give_every_rank_the_same_values(d
 
 # --- 8d: a sharded model's forward under a plain `if rank == 0:` --------------------------------
 def test_a_sharded_forward_on_rank_zero_alone_ends_fast_naming_both_ranks(tmp_path):
-    timeout = 90.0
+    timeout = scaled(90.0)
     results = spawn(fidelity_waits.sharded_forward_on_rank_zero, 2, tmp_path, timeout,
                     timeout=240)
     for rank, got in enumerate(results):
@@ -100,7 +101,7 @@ def test_a_waiting_rank_says_what_it_waits_for_every_interval(tmp_path):
 
 # --- 8e: find_executable_batch_size, one rank out of memory before its forward -----------------
 def test_an_out_of_memory_before_the_forward_names_that_rank_at_once(tmp_path):
-    timeout = 90.0
+    timeout = scaled(90.0)
     results = spawn(fidelity_waits.out_of_memory_before_forward, 2, tmp_path, timeout,
                     timeout=240)
     for rank, got in enumerate(results):
@@ -123,21 +124,21 @@ def test_the_launcher_refuses_a_master_port_held_by_another_program(tmp_path):
         code = finish(proc, 150)
     text = log.read_text()
     assert code == 1, text
-    assert time.monotonic() - began < 120, text
+    assert time.monotonic() - began < scaled(120), text
     assert f"--master 127.0.0.1:{port} is taken" in text, text
     assert "held by another program" in text, text
 
 
 # --- 8b: rank 0 started by hand with an address that does not lead to it ------------------------
 def test_rank_zero_with_an_unreachable_master_addr_ends_in_time_with_progress_lines(tmp_path):
-    timeout = 6.0
+    timeout = scaled(6.0)
     env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "203.0.113.1",  # TEST-NET-3
            "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
            "ACCEL_CTX_RDZV_PROGRESS_S": "1"}
     [result] = spawn(rendezvous_trust.enter, 1, tmp_path, timeout, env=lambda _: env,
                      timeout=120)
     assert result["error"] is not None and result["error"].startswith("RendezvousError"), result
-    assert result["elapsed"] < timeout + 10, result
+    assert result["elapsed"] < timeout + scaled(10), result
     assert "rank 0 of 2" in result["error"], result
     assert "MASTER_ADDR=203.0.113.1 is not an address of this host" in result["error"], result
     assert len(result["progress"]) >= 2, result
@@ -159,11 +160,12 @@ def test_two_processes_with_the_same_rank_are_told_so(tmp_path, store):
         return {"RANK": str(ranks[i]), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
 
-    results = spawn(rendezvous_trust.enter, len(ranks), tmp_path, 20.0, env=env, timeout=150)
+    results = spawn(rendezvous_trust.enter, len(ranks), tmp_path, scaled(20.0), env=env,
+                    timeout=150)
     for i, result in enumerate(results):
         assert result["error"] is not None, (i, result)
         assert "two processes claim rank 0" in result["error"], (i, result)
-        assert result["elapsed"] < 30.0, (i, result)  # bounded
+        assert result["elapsed"] < scaled(30.0), (i, result)  # bounded
 
 
 # --- 9: the launcher blames the rank that caused the failure ------------------------------------

@@ -28,6 +28,8 @@ from accel_ctx import (
     wait_for_everyone,
 )
 
+from .._timeouts import scaled
+
 
 class _Lines(logging.Handler):
     def __init__(self) -> None:
@@ -64,7 +66,7 @@ def _outcome(fn: Callable[[], Any]) -> dict[str, Any]:
 def different_calls() -> dict[str, Any]:
     """Each case: the last rank calls another collective than the others; then a good call."""
     out: dict[str, Any] = {}
-    with distributed(timeout=40):
+    with distributed(timeout=scaled(40)):
         rank, world = state().rank, state().world_size
         odd = rank == world - 1
         cases: dict[str, Callable[[], Any]] = {
@@ -111,7 +113,7 @@ def waits_with_progress_lines(seconds: float) -> dict[str, Any]:
     for name, call in (("barrier", wait_for_everyone),
                        ("collective", lambda: reduce(torch.ones(1)))):
         def run(call: Callable[[], Any] = call) -> None:
-            with distributed(timeout=60):
+            with distributed(timeout=scaled(60)):
                 if state().rank == 0:
                     time.sleep(seconds)  # a long evaluation on rank 0 alone
                 call()
@@ -119,7 +121,7 @@ def waits_with_progress_lines(seconds: float) -> dict[str, Any]:
         out[name] = _outcome(run)
 
     def backward() -> None:  # rank 1 waits in DDP's gradient all-reduce, inside autograd
-        with distributed(timeout=60):
+        with distributed(timeout=scaled(60)):
             model = torch.nn.Linear(4, 4)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for i in range(3):
@@ -164,7 +166,7 @@ def leave_at_step_five(how: str) -> dict[str, Any]:
         _progress.INTERVAL_S = 3600.0
 
     def run() -> None:
-        with distributed(timeout=60):
+        with distributed(timeout=scaled(60)):
             torch.manual_seed(0)
             model = torch.nn.Linear(4, 4)
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
