@@ -2,9 +2,10 @@
 
 ``launch`` runs a script on N processes per node through torchrun's engine
 (``torch.distributed.run``, in this process); every torchrun flag placed before the script is
-passed through. This module imports only the standard library until it hands over to torchrun.
+passed through, and everything after the script's name is the script's own: torchrun's parser
+never sees it. This module imports only the standard library until it hands over to torchrun.
 
-Example:
+Examples:
     >>> from accel_ctx.cli import main
     >>> main(["--help"])  # doctest: +ELLIPSIS
     usage: accel-ctx ...
@@ -13,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import os
@@ -29,6 +31,8 @@ usage: accel-ctx {launch,config,env} ...
   accel-ctx launch [-n N] [options] script.py [args...]   run a script on N processes per node
   accel-ctx config [--show] [settings]                     write launcher defaults (TOML)
   accel-ctx env                                            versions, devices, config in force
+  accel-ctx --version                                      print the version (also -V)
+  accel-ctx --help                                         print this help (also -h)
 
 `accel-ctx COMMAND --help` tells more.
 """
@@ -46,20 +50,30 @@ def torchrun_arity() -> dict[str, bool]:
 
 def launch_main(argv: Sequence[str]) -> int:
     """Run ``accel-ctx launch``."""
+    from pathlib import Path
+
     from ._launch import args as _launch_args
+    from ._launch import script as _script
     from ._launch.config import fail
     from ._launch.help import launch_help
     from ._launch.netif import route_to
 
+    if not argv:  # nothing to run: a usage error, as for `accel-ctx` alone
+        print(launch_help(), end="", file=sys.stderr)
+        return 2
     try:
         if _launch_args.wants_help(argv):  # --help imports no torch
             print(launch_help(), end="")
             return 0
         arity = torchrun_arity()
-        if _launch_args.parse(argv, arity).help or not argv:
+        if _launch_args.parse(argv, arity).help:
             print(launch_help(), end="")
             return 0
         plan = _launch_args.plan(argv, arity, os.environ, route=route_to)
+        options = torchrun_options(plan.torchrun_args, len(plan.script) - 1)
+        _script.check(options.training_script, module=options.module,
+                      no_python=options.no_python, run_path=options.run_path,
+                      cwd=Path.cwd(), environ=os.environ)
     except AccelCtxError as exc:
         return fail("launch", exc)
     if plan.network.warning:
@@ -69,7 +83,31 @@ def launch_main(argv: Sequence[str]) -> int:
         print(f"accel-ctx launch: {held}", file=sys.stderr)
         return 1
     os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
-    return run_torchrun(plan.torchrun_args, plan.settings, plan.network.note)
+    return run_torchrun(options, plan.settings, plan.network.note)
+
+
+def torchrun_options(args: Sequence[str], script_args: int) -> argparse.Namespace:
+    """torchrun's options for ``args`` (its flags, the script, then ``script_args`` arguments of
+    the script's own), parsed by torchrun's parser up to the script's name only.
+
+    argparse would read the script's arguments too, and refuse one that begins like a torchrun
+    option (``--log`` is ambiguous: ``--log-dir``, ``--logs-specs``); they are the script's.
+
+    Examples:
+        >>> from accel_ctx.cli import torchrun_options
+        >>> options = torchrun_options(["--nnodes", "1", "train.py", "--log", "x"], 2)
+        >>> options.nnodes, options.training_script, options.training_script_args
+        ('1', 'train.py', ['--log', 'x'])
+    """
+    from torch.distributed.run import get_args_parser
+
+    cut = len(args) - script_args
+    flags, script = list(args[:cut - 1]), args[cut - 1]
+    # "--" keeps a script whose name begins with "-" from reading as an option
+    options = get_args_parser().parse_args([*flags, "--", script] if script.startswith("-")
+                                           else [*flags, script])
+    options.training_script_args = list(args[cut:])
+    return options
 
 
 def master_held(master: Any, seconds: float = 10.0) -> str:
@@ -93,8 +131,11 @@ def master_held(master: Any, seconds: float = 10.0) -> str:
             "port, or give --master another one (the same on every node).")
 
 
-def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = "") -> int:
-    """Hand over to torchrun; turn its failures into one clear message and an exit code.
+def run_torchrun(
+    options: argparse.Namespace, settings: dict[str, Any], network_note: str = ""
+) -> int:
+    """Hand torchrun's ``options`` (:func:`torchrun_options`) to torchrun; turn its failures
+    into one clear message and an exit code.
 
     The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
     killed by signal N); a launcher stopped by a signal (Ctrl-C) exits with 128 + N after one
@@ -102,13 +143,13 @@ def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = 
     follows a failure.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
-    from torch.distributed.run import main as torchrun_main
+    from torch.distributed.run import run
 
     try:
         with _quiet_signal_shutdown():
-            torchrun_main(args)
+            record(run)(options)  # what torchrun's main() does once it has parsed its options
     except SignalException as exc:
         return interrupted(int(exc.sigval))
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler was installed
@@ -120,7 +161,7 @@ def run_torchrun(args: list[str], settings: dict[str, Any], network_note: str = 
                   f"{network_note}", file=sys.stderr)
         return failure_exit_code(exc)
     except RendezvousError as exc:
-        where = args[args.index("--rdzv-endpoint") + 1] if "--rdzv-endpoint" in args else "?"
+        where = options.rdzv_endpoint or "?"
         detail = f": {exc}" if str(exc) else ""
         if type(exc).__name__ == "RendezvousConnectionError":
             print(f"accel-ctx launch: cannot connect to the rendezvous at {where} "
@@ -255,7 +296,7 @@ def describe_failure(exc: Any, max_restarts: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``accel-ctx`` console script; returns the exit code.
 
-    Example:
+    Examples:
         >>> from accel_ctx.cli import main
         >>> main(["env", "--help"])  # doctest: +ELLIPSIS
         usage: accel-ctx env
@@ -263,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         0
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:  # no command: the help, as a usage error
+        print(USAGE, end="", file=sys.stderr)
+        return 2
+    if args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0
     command, rest = args[0], args[1:]

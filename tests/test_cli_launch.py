@@ -105,3 +105,19 @@ def test_a_node_that_never_comes_fails_within_the_rendezvous_timeout(tmp_path):
     assert "rendezvous at 127.0.0.1" in text and "did not complete with 2 node(s)" in text
     assert "join_timeout" in text
     assert not list(tmp_path.glob("pid.*"))  # no worker ever started
+
+
+def test_the_script_gets_its_own_flags_and_a_missing_one_stops_before_torchrun(tmp_path):
+    # each of these begins like a torchrun option: argparse called them ambiguous
+    own = ["--log", "x", "--run", "y", "--max", "1", "--node", "2", "--local", "3", "--start",
+           "4", "--nproc-per-node", "9"]
+    (tmp_path / "show_argv.py").write_text(
+        "import json, sys\njson.dump(sys.argv[1:], open('argv.json', 'w'))\n")
+    proc, log = start(["-n", "1", "show_argv.py", *own], tmp_path, "own.log")
+    assert finish(proc, 120) == 0, log.read_text()
+    assert json.loads((tmp_path / "argv.json").read_text()) == own
+    proc, log = start(["-n", "2", "missing.py"], tmp_path, "missing.log")
+    code = finish(proc, 120)
+    text = log.read_text()
+    assert code == 2 and "accel-ctx launch: script 'missing.py' does not exist" in text, text
+    assert "FAILED" not in text and "--max-restarts" not in text, text  # torchrun never ran

@@ -113,8 +113,9 @@ root.__path__ = [{str(ROOT / "accel_ctx")!r}]
 root.__version__ = "test"
 sys.modules["accel_ctx"] = root
 import accel_ctx.cli
-from accel_ctx._launch import args, config, config_cmd, envinfo, fn, help, netif, nproc, settings
-for argv in (["--help"], ["config", "--help"], ["config", "--show"],
+from accel_ctx._launch import (args, config, config_cmd, envinfo, fn, help, netif, nproc,
+                              script, settings)
+for argv in ([], ["--help"], ["launch"], ["config", "--help"], ["config", "--show"],
              ["config", "-n", "2", "--mixed-precision", "off"], ["env", "--help"]):
     try:
         accel_ctx.cli.main(argv)

@@ -6,6 +6,7 @@ It imports no core module, only leaves (``errors``, ``_env``, ``_precision_names
 
 * :mod:`.settings`: the one table of launcher settings (a new setting is one entry there).
 * :mod:`.args`: ``accel-ctx launch`` arguments -> torchrun's arguments (pure);
+  :mod:`.script`: the script (or ``-m`` module, or command) is there, checked before start;
   :mod:`.help`: its ``--help``; :mod:`.netif`: the address and interface that reach the master.
 * :mod:`.config`, :mod:`.config_cmd`: the TOML files and ``accel-ctx config``.
 * :mod:`.envinfo`: ``accel-ctx env``.

@@ -58,6 +58,8 @@ class LaunchPlan:
     """Where each setting came from: 'flag', a config file, 'SLURM' or 'default'."""
     network: _netif.NodeNetwork = field(default_factory=_netif.NodeNetwork)
     """Several nodes: the address this node advertises, its interface, what to say on failure."""
+    script: list[str] = field(default_factory=list)
+    """The script and its own arguments: the end of ``torchrun_args``, never parsed there."""
 
 
 @dataclass
@@ -193,13 +195,14 @@ def plan(
         env[_env.MIXED_PRECISION_VAR] = str(settings["mixed_precision"])
     for _, tokens in parsed.passthrough:
         args += tokens
-    return LaunchPlan([*args, *parsed.script], env, settings, sources, network)
+    return LaunchPlan([*args, *parsed.script], env, settings, sources, network,
+                      list(parsed.script))
 
 
 def _resolve(
     parsed: _Parsed, environ: Mapping[str, str], cwd: Path | None
 ) -> tuple[dict[str, Value], dict[str, str]]:
-    """flags > SLURM (launcher run by srun, one per node) > config files; each key alone."""
+    """Each setting from the first of :data:`.config.PRECEDENCE` that gives it."""
     config = _config.load(parsed.ours.get("config"), cwd=cwd, environ=environ)
     settings = dict(config.values)
     sources = dict(config.sources)

@@ -1,14 +1,8 @@
 """Launcher defaults kept in TOML files: where they live, how they merge, how they are checked.
 
-Precedence, highest first (each key on its own):
-
-1. flags on the ``accel-ctx launch`` command line;
-2. with ``--config FILE``: that file, and no other file;
-3. otherwise the project file ``accel-ctx.toml``: the first one found from the current
-   directory upwards, stopping at the project root (a folder holding ``.git`` or
-   ``pyproject.toml``);
-4. then the user file ``$XDG_CONFIG_HOME/accel-ctx/config.toml`` (``~/.config/...``);
-5. built-in defaults: ``nproc = "auto"`` (all local GPUs, else 1), one node.
+Where each setting comes from is :data:`PRECEDENCE`, the one statement of the rule in code:
+both ``--help`` texts print it, ``args._resolve`` applies it (a file given with ``--config``
+replaces the project and user files, it is not layered over them: see :func:`load`).
 
 A file holds flat keys, the settings of :mod:`.settings`, each checked there, e.g.::
 
@@ -34,6 +28,29 @@ from ..errors import ConfigurationError
 from .settings import KEYS, Value, check
 
 PROJECT_FILE = "accel-ctx.toml"
+PRECEDENCE = (
+    "the flags on the accel-ctx launch command line",
+    "under srun with one launcher per node, SLURM's node count, node index and first node "
+    "(--nnodes, --node-rank, --master)",
+    "the file given with --config FILE, which replaces the next two: they are not read",
+    f"the project file ./{PROJECT_FILE} (the nearest, up to the project root)",
+    "the user file ~/.config/accel-ctx/config.toml ($XDG_CONFIG_HOME)",
+    "the built-in defaults",
+)
+"""Where each launcher setting comes from, on its own, highest priority first. README.md says
+it at length (section "Where the launcher's settings come from"), in the same order."""
+
+
+def precedence() -> str:
+    """:data:`PRECEDENCE` as the sentence both ``--help`` texts print.
+
+    Examples:
+        >>> from accel_ctx._launch.config import precedence
+        >>> print(precedence())  # doctest: +ELLIPSIS
+        Each setting comes, on its own, from the first of: (1) the flags on the accel-ctx ...
+    """
+    return ("Each setting comes, on its own, from the first of: "
+            + "; ".join(f"({i}) {level}" for i, level in enumerate(PRECEDENCE, 1)) + ".")
 
 
 @dataclass
@@ -72,7 +89,12 @@ def load(
     cwd: Path | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> Config:
-    """Read the settings in force: ``explicit`` alone, else the project file over the user file."""
+    """Read the settings in force: ``explicit`` alone, else the project file over the user file.
+
+    A file named on the command line replaces the files found by themselves, as
+    ``accelerate launch --config_file`` does: a job started with ``--config cluster.toml``
+    then runs the same whoever starts it, whatever their own user file says.
+    """
     config = Config()
     if explicit is not None:
         path = Path(explicit)
@@ -124,7 +146,7 @@ def _toml_reader() -> Any:
 def to_toml(values: Mapping[str, Value]) -> str:
     """Flat keys of strings and integers as TOML, in the order of the settings table.
 
-    Example:
+    Examples:
         >>> from accel_ctx._launch.config import to_toml
         >>> print(to_toml({"mixed_precision": "bf16", "nproc": 4}), end="")
         # accel-ctx launcher defaults; see `accel-ctx config --help`.

@@ -23,9 +23,7 @@ def parser() -> argparse.ArgumentParser:
         prog="accel-ctx config",
         description="Write launcher defaults to a TOML file. With a terminal and no settings "
         "given, asks questions; otherwise sets the settings given and keeps the others. "
-        "Files, highest priority first: --config FILE alone; else ./accel-ctx.toml (searched "
-        "up to the project root), then ~/.config/accel-ctx/config.toml ($XDG_CONFIG_HOME). "
-        "Flags of `accel-ctx launch` beat every file.",
+        f"{_config.precedence()}",
     )
     where = p.add_mutually_exclusive_group()
     where.add_argument("--config", metavar="FILE", help="this file (default: the user file)")

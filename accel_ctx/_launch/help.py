@@ -1,6 +1,6 @@
 """The text of ``accel-ctx launch --help``: the options come from the settings table.
 
-Example:
+Examples:
     >>> from accel_ctx._launch.help import launch_help
     >>> print(launch_help())  # doctest: +ELLIPSIS
     usage: accel-ctx launch [-n N|auto] [--nnodes N] ...
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import textwrap
 
+from .config import precedence
 from .settings import CONFIG_FLAG, SETTINGS
 
 _CONFIG_METAVAR = "FILE"
@@ -27,15 +28,16 @@ _OUTRO = """\
 Any other option before the script is torchrun's and passes through unchanged (--rdzv-conf,
 --log-dir, --redirects, --monitor-interval, ...; see `torchrun --help`). torchrun's own
 rendezvous flags (--rdzv-endpoint, --standalone, --master-addr, ...) replace --master.
+Everything after the script's name is the script's own, even an option torchrun also has
+(`accel-ctx launch -n 2 train.py --log x` hands --log x to train.py).
 
-The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
+The script is checked before anything starts: a file (or a folder with __main__.py); with
+-m, a module found from here; with --no-python, a command. The exit code is the script's own
+(that of the rank that caused the failure, which the last line names; 128 + N for a rank
 killed by signal N); Ctrl-C stops every worker and exits with 130.
-
-Defaults, highest priority first: these flags; with --config FILE that file alone; else
-./accel-ctx.toml (searched upwards to the project root), then ~/.config/accel-ctx/config.toml
-($XDG_CONFIG_HOME). Under srun with one task per node, --nnodes, --node-rank and --master
-come from SLURM. Write the files with `accel-ctx config`.
 """
+_FILES = ("Write the files with `accel-ctx config`; `accel-ctx config --show` prints what is "
+          "in force.")
 
 
 def launch_help() -> str:
@@ -46,10 +48,12 @@ def launch_help() -> str:
               "[script\xa0args...]"]
     usage = _fill(" ".join(words), prefix, " " * len(prefix))
     options = [(f"  {', '.join(s.flags)} {s.metavar}", s.help) for s in SETTINGS]
-    options.append((f"  {CONFIG_FLAG} {_CONFIG_METAVAR}", "read defaults from FILE only."))
+    options.append((f"  {CONFIG_FLAG} {_CONFIG_METAVAR}",
+                    "read the defaults from FILE instead of the project and user files."))
     column = max(len(head) for head, _ in options) + 2
     paragraphs = [_fill(text, head.ljust(column), " " * column) for head, text in options]
-    return f"{usage}\n\n{_INTRO}\n" + "\n".join(paragraphs) + f"\n\n{_OUTRO}"
+    rule = _fill(f"{precedence()} {_FILES}", "", "")
+    return f"{usage}\n\n{_INTRO}\n" + "\n".join(paragraphs) + f"\n\n{_OUTRO}\n{rule}\n"
 
 
 def _fill(text: str, first: str, indent: str) -> str:

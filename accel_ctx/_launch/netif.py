@@ -42,7 +42,7 @@ def route_to(host: str, port: int) -> Route | None:
     """The local address (and its interface) this machine uses to reach ``host``; None if
     the host does not resolve or no route leads there. Sends no packet.
 
-    Example:
+    Examples:
         >>> route_to("127.0.0.1", 29500).address
         '127.0.0.1'
     """

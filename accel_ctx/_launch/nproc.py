@@ -3,7 +3,7 @@
 Shared by ``launch(fn, nprocs)`` and ``accel-ctx launch -n``. Standard library only; torch is
 imported when ``auto`` counts the GPUs.
 
-Example:
+Examples:
     >>> from accel_ctx._launch.nproc import process_limit
     >>> process_limit({"ACCEL_CTX_MAX_NPROC": "8"})
     8

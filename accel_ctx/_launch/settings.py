@@ -5,7 +5,7 @@ Each :class:`Setting` feeds every place that names it: the config-file keys and 
 flags of ``accel-ctx launch`` (:mod:`.args`) and its ``--help`` (:mod:`.help`). How a setting
 acts (what ``nproc`` becomes for torchrun, say) stays with the code that acts on it.
 
-Example:
+Examples:
     >>> from accel_ctx._launch.settings import SETTINGS, check, setting
     >>> check("nnodes", "2:4", "--nnodes"), check("mixed_precision", " OFF", "--mixed-precision")
     ('2:4', 'no')
@@ -39,7 +39,7 @@ _QUOTED = f"{', '.join(map(repr, _IN_ORDER[:-1]))} or {_IN_ORDER[-1]!r}"  # 'no'
 class Setting:
     """One launcher setting: its names, its words for the user, and its check.
 
-    Example:
+    Examples:
         >>> from accel_ctx._launch.settings import setting
         >>> s = setting("max_restarts")
         >>> s.flags, s.convert("2"), s.convert("-1")
@@ -198,7 +198,7 @@ def check(key: str, value: object, where: str) -> Value:
     ``where`` starts the error (a flag, ``file: key``, "answer"); the error quotes the value
     as written, never a half-converted one.
 
-    Example:
+    Examples:
         >>> from accel_ctx._launch.settings import check
         >>> check("nproc", "abc", "-n")
         Traceback (most recent call last):
@@ -222,7 +222,7 @@ def check(key: str, value: object, where: str) -> Value:
 def split_host_port(text: str) -> tuple[str, int] | None:
     """``"host:29500"`` -> ``("host", 29500)``; IPv6 in brackets; None if malformed.
 
-    Example:
+    Examples:
         >>> split_host_port("[::1]:29500"), split_host_port("node0:80"), split_host_port("x")
         (('::1', 29500), ('node0', 80), None)
     """
