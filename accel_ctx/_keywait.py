@@ -8,7 +8,7 @@ rank's requests. So the wait itself runs in a helper thread, on a store client o
 TCPStore connection is held for the whole of a wait), and wakes the caller the moment the key
 is set; the caller looks around every ``every`` seconds meanwhile.
 
-Example:
+Examples:
     >>> from datetime import timedelta
     >>> from torch.distributed import HashStore
     >>> store = HashStore()

@@ -5,7 +5,7 @@ connection but never answers (a port held by another program), so every look her
 daemon thread with a deadline of its own. Used by the rendezvous of ``distributed()`` and by
 ``accel-ctx launch --master`` before it hands over to torchrun; imports torch only when called.
 
-Example:
+Examples:
     >>> from accel_ctx._probe import is_local_address
     >>> is_local_address("127.0.0.1")
     True
