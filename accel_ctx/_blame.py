@@ -168,6 +168,20 @@ def _judge(job: Job, doing: str, timed_out: bool
     )
 
 
+_DYING_S = 2.0  # a killed process closes its sockets before /proc shows it gone
+
+
+def _gone(peers: dict[int, dict[str, Any]], wait: float) -> list[int]:
+    """Ranks whose process has died; a lost connection waits up to ``wait`` seconds for it to
+    show (the peer's sockets close while its process is still exiting)."""
+    deadline = time.monotonic() + wait
+    while True:
+        gone = sorted(r for r, rec in peers.items() if _progress.process_gone(rec))
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
 def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progress,
               doing: str, timed_out: bool) -> tuple[list[int], str, str] | None:
     peers = {r: rec for r, rec in records.items() if r != me}
@@ -196,7 +210,7 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
             "Every rank must make the same collective calls until the scope ends: look for a "
             f"loop that ends sooner, a break or a return on rank {left[0]}."
         )
-    gone = sorted(r for r, rec in peers.items() if _progress.process_gone(rec))
+    gone = _gone(peers, 0.0 if timed_out else _DYING_S)
     if gone:
         return gone, (
             f"rank {gone[0]}'s process died (last seen at {_progress.last_seen(peers[gone[0]])}) "
