@@ -21,31 +21,26 @@ from typing import TYPE_CHECKING, Any
 from . import errors
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name loads on use
-    from ._accumulate import accumulate, no_sync
-    from ._batch_size import find_executable_batch_size
-    from ._broadcast import broadcast, broadcast_object
     from ._checkpoint import Resumed, load_state, save_model, save_state
-    from ._clip import clip_grad_norm_, clip_grad_value_
-    from ._collectives import gather, gather_object, pad_across_processes, reduce
-    from ._comm_hook import PowerSGD
-    from ._decide import all_ranks, any_rank, synchronize_rng_states
-    from ._distributed import DistributedOptions, distributed
-    from ._evaluation import gather_for_metrics, split_between_processes
+    from ._core.status import State, state
+    from ._data.position import load_loader_state, loader_state, skip_first_batches
+    from ._distributed.scope import DistributedOptions, distributed
+    from ._engines.comm_hook import PowerSGD
+    from ._engines.sharded import sharded
     from ._launch.fn import launch
-    from ._logging import get_logger, main_print
-    from ._position import load_loader_state, loader_state, skip_first_batches
-    from ._precision import PrecisionPolicy, autocast_forward, mixed_precision
-    from ._process import (
-        main_process_first,
-        on_last_process,
-        on_local_main_process,
-        on_main_process,
-        on_process,
-        wait_for_everyone,
-    )
-    from ._sharded import sharded
-    from ._status import State, state
-    from ._watch import log_metrics, progress
+    from ._precision.runtime import PrecisionPolicy
+    from ._precision.scope import autocast_forward, mixed_precision
+    from ._ranks.batch_size import find_executable_batch_size
+    from ._ranks.broadcast import broadcast, broadcast_object
+    from ._ranks.collectives import gather, gather_object, pad_across_processes, reduce
+    from ._ranks.decide import all_ranks, any_rank, synchronize_rng_states
+    from ._ranks.evaluation import gather_for_metrics, split_between_processes
+    from ._ranks.logging import get_logger, main_print
+    from ._ranks.process import on_last_process, on_local_main_process, on_main_process, on_process
+    from ._ranks.sync import main_process_first, wait_for_everyone
+    from ._ranks.watch import log_metrics, progress
+    from ._steps.accumulate import accumulate, no_sync
+    from ._steps.clip import clip_grad_norm_, clip_grad_value_
 
 __all__ = [
     "DistributedOptions",
@@ -100,49 +95,49 @@ __version__ = "0.1.0"
 # imports no torch (the `accel-ctx` command's --help and config rely on it), and
 # `from accel_ctx import distributed` loads only what it needs.
 _HOMES = {
-    "accumulate": "_accumulate",
-    "no_sync": "_accumulate",
-    "find_executable_batch_size": "_batch_size",
-    "broadcast": "_broadcast",
-    "broadcast_object": "_broadcast",
+    "accumulate": "_steps.accumulate",
+    "no_sync": "_steps.accumulate",
+    "find_executable_batch_size": "_ranks.batch_size",
+    "broadcast": "_ranks.broadcast",
+    "broadcast_object": "_ranks.broadcast",
     "Resumed": "_checkpoint",
     "load_state": "_checkpoint",
     "save_model": "_checkpoint",
     "save_state": "_checkpoint",
-    "clip_grad_norm_": "_clip",
-    "clip_grad_value_": "_clip",
-    "gather": "_collectives",
-    "gather_object": "_collectives",
-    "pad_across_processes": "_collectives",
-    "reduce": "_collectives",
-    "PowerSGD": "_comm_hook",
-    "all_ranks": "_decide",
-    "any_rank": "_decide",
-    "synchronize_rng_states": "_decide",
-    "DistributedOptions": "_distributed",
-    "distributed": "_distributed",
-    "gather_for_metrics": "_evaluation",
-    "split_between_processes": "_evaluation",
+    "clip_grad_norm_": "_steps.clip",
+    "clip_grad_value_": "_steps.clip",
+    "gather": "_ranks.collectives",
+    "gather_object": "_ranks.collectives",
+    "pad_across_processes": "_ranks.collectives",
+    "reduce": "_ranks.collectives",
+    "PowerSGD": "_engines.comm_hook",
+    "all_ranks": "_ranks.decide",
+    "any_rank": "_ranks.decide",
+    "synchronize_rng_states": "_ranks.decide",
+    "DistributedOptions": "_distributed.scope",
+    "distributed": "_distributed.scope",
+    "gather_for_metrics": "_ranks.evaluation",
+    "split_between_processes": "_ranks.evaluation",
     "launch": "_launch.fn",
-    "get_logger": "_logging",
-    "main_print": "_logging",
-    "load_loader_state": "_position",
-    "loader_state": "_position",
-    "skip_first_batches": "_position",
-    "PrecisionPolicy": "_precision",
-    "autocast_forward": "_precision",
-    "mixed_precision": "_precision",
-    "main_process_first": "_process",
-    "on_last_process": "_process",
-    "on_local_main_process": "_process",
-    "on_main_process": "_process",
-    "on_process": "_process",
-    "wait_for_everyone": "_process",
-    "sharded": "_sharded",
-    "State": "_status",
-    "state": "_status",
-    "log_metrics": "_watch",
-    "progress": "_watch",
+    "get_logger": "_ranks.logging",
+    "main_print": "_ranks.logging",
+    "load_loader_state": "_data.position",
+    "loader_state": "_data.position",
+    "skip_first_batches": "_data.position",
+    "PrecisionPolicy": "_precision.runtime",
+    "autocast_forward": "_precision.scope",
+    "mixed_precision": "_precision.scope",
+    "main_process_first": "_ranks.sync",
+    "on_last_process": "_ranks.process",
+    "on_local_main_process": "_ranks.process",
+    "on_main_process": "_ranks.process",
+    "on_process": "_ranks.process",
+    "wait_for_everyone": "_ranks.sync",
+    "sharded": "_engines.sharded",
+    "State": "_core.status",
+    "state": "_core.status",
+    "log_metrics": "_ranks.watch",
+    "progress": "_ranks.watch",
 }
 
 

@@ -13,7 +13,8 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from accel_ctx import _patches, _state
+from accel_ctx._core import patches as _patches
+from accel_ctx._core import state as _state
 
 from . import _timeouts
 

@@ -9,7 +9,8 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-from accel_ctx import _blame, _progress
+from accel_ctx._distributed import blame as _blame
+from accel_ctx._distributed import progress as _progress
 from accel_ctx.cli import describe_failure
 from accel_ctx.errors import DistributedError
 
@@ -126,7 +127,7 @@ def test_the_stalled_line_is_read_from_a_faulthandler_dump_of_that_thread_alone(
     import faulthandler
     import threading
 
-    from accel_ctx._progress import thread_line
+    from accel_ctx._distributed.progress import thread_line
 
     def stuck_here(path):
         with open(path, "w+") as f:

@@ -7,9 +7,10 @@ import warnings
 
 import pytest
 
-from accel_ctx import _precision, cli, launch, mixed_precision
+from accel_ctx import cli, launch, mixed_precision
 from accel_ctx._launch.args import plan
 from accel_ctx._launch.config_cmd import config_main
+from accel_ctx._precision import scope as _precision
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 

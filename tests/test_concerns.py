@@ -9,9 +9,9 @@ from contextlib import ExitStack
 import torch
 
 from accel_ctx import accumulate, distributed, load_state, mixed_precision, save_state, state
-from accel_ctx._concern import Concern, ForwardCall
-from accel_ctx._scope import Scope
-from accel_ctx._session import OptimizerRecord, Session
+from accel_ctx._core.concern import Concern, ForwardCall
+from accel_ctx._core.scope import Scope
+from accel_ctx._core.session import OptimizerRecord, Session
 
 
 class _Recording(Concern):
@@ -106,3 +106,33 @@ def test_a_restored_loss_scale_is_the_scale_of_the_next_backward(tmp_path):
         # the gradient is still scaled by the restored scale until the step unscales it
         assert torch.allclose(grad, torch.full_like(grad, saved))
         opt.step()
+
+
+def test_no_concern_defines_a_method_spelt_almost_like_a_hook():
+    """A hook spelt wrong is never called; mypy's explicit-override makes every real one say
+    @override, and this catches the near-misses that would override nothing."""
+    import difflib
+    import importlib
+    import inspect
+    import pkgutil
+
+    import accel_ctx
+    from accel_ctx._core.concern import Concern
+
+    for info in pkgutil.walk_packages(accel_ctx.__path__, "accel_ctx."):
+        if info.name.startswith(("accel_ctx._launch", "accel_ctx.cli")):
+            continue
+        importlib.import_module(info.name)
+    hooks = {n for n, v in vars(Concern).items() if callable(v) and not n.startswith("_")}
+    subclasses, todo = [], list(Concern.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        subclasses.append(cls)
+        todo += cls.__subclasses__()
+    assert len(subclasses) >= 4
+    for cls in subclasses:
+        for name, value in vars(cls).items():
+            if name in hooks or name.startswith("_") or not inspect.isfunction(value):
+                continue
+            near = difflib.get_close_matches(name, hooks, n=1, cutoff=0.85)
+            assert not near, f"{cls.__qualname__}.{name} looks like the hook {near[0]}"

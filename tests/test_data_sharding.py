@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel_ctx._data import ShardPlan, _ShardedIndices
+from accel_ctx._data.iterate import ShardPlan, _ShardedIndices
 
 
 def _rank_batches(total: int, world: int, rank: int, skip: int = 0, even: bool = True) -> list[int]:

@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 
 from accel_ctx import distributed, load_state, save_state
-from accel_ctx._data_order import fingerprint
-from accel_ctx._shard import ShardedIndices, ShardPlan
+from accel_ctx._data.order import fingerprint
+from accel_ctx._data.shard import ShardedIndices, ShardPlan
 
 from ._spawn import spawn
 from .workers import data_trust

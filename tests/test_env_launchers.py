@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accel_ctx import _env
+from accel_ctx._distributed import env as _env
 from accel_ctx.errors import LaunchEnvironmentError
 
 from ._spawn import free_port, spawn
@@ -82,8 +82,8 @@ def test_slurm_two_nodes():
     }
     launch = _env.detect(env)
     assert launch.source == "slurm"
-    assert (launch.rank, launch.world_size, launch.local_rank) == (5, 8, 1)
-    assert (launch.local_world_size, launch.node_rank, launch.num_nodes) == (4, 1, 2)
+    assert (launch.coordinates.rank, launch.coordinates.world_size, launch.coordinates.local_rank) == (5, 8, 1)
+    assert (launch.coordinates.local_world_size, launch.coordinates.node_rank, launch.coordinates.num_nodes) == (4, 1, 2)
     assert (launch.master_addr, launch.master_port) == ("gpu07", 15000 + 7654)
     exported = _env.detect({**env, "MASTER_ADDR": "head", "MASTER_PORT": "1234"})
     assert (exported.master_addr, exported.master_port) == ("head", 1234)
@@ -94,7 +94,7 @@ def test_slurm_uneven_nodes_use_this_nodes_task_count():
            "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2",
            "SLURM_STEP_TASKS_PER_NODE": "3,1", "SLURM_STEP_NODELIST": "a,b"}
     launch = _env.detect(env)
-    assert (launch.local_world_size, launch.node_rank, launch.master_addr) == (1, 1, "a")
+    assert (launch.coordinates.local_world_size, launch.coordinates.node_rank, launch.master_addr) == (1, 1, "a")
 
 
 def test_slurm_batch_script_without_srun_is_one_process():
@@ -108,7 +108,7 @@ def test_launcher_variables_win_over_slurm():
     env = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "RANK": "3", "WORLD_SIZE": "4",
            "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     launch = _env.detect(env)
-    assert (launch.source, launch.rank, launch.node_rank) == ("torchrun", 3, 1)
+    assert (launch.source, launch.coordinates.rank, launch.coordinates.node_rank) == ("torchrun", 3, 1)
 
 
 def test_open_mpi_across_nodes():
@@ -116,8 +116,8 @@ def test_open_mpi_across_nodes():
            "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
            "MASTER_ADDR": "node0"}
     launch = _env.detect(env)
-    assert (launch.source, launch.rank, launch.local_rank, launch.node_rank) == ("mpi", 3, 1, 1)
-    assert (launch.num_nodes, launch.master_addr, launch.master_port) == (2, "node0", 29500)
+    assert (launch.source, launch.coordinates.rank, launch.coordinates.local_rank, launch.coordinates.node_rank) == ("mpi", 3, 1, 1)
+    assert (launch.coordinates.num_nodes, launch.master_addr, launch.master_port) == (2, "node0", 29500)
     with pytest.raises(LaunchEnvironmentError, match="MASTER_ADDR"):
         _env.detect({k: v for k, v in env.items() if k != "MASTER_ADDR"})
     with pytest.raises(LaunchEnvironmentError, match="OMPI_COMM_WORLD_RANK"):
@@ -127,7 +127,7 @@ def test_open_mpi_across_nodes():
 def test_mpich_pmi():
     env = {"PMI_SIZE": "2", "PMI_RANK": "1", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
     launch = _env.detect(env)
-    assert (launch.source, launch.rank, launch.local_rank, launch.master_addr) == (
+    assert (launch.source, launch.coordinates.rank, launch.coordinates.local_rank, launch.master_addr) == (
         "mpi", 1, 1, "127.0.0.1")
 
 

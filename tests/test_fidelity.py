@@ -197,8 +197,8 @@ def test_a_helper_thread_sees_its_ranks_real_coordinates(ranks):
 def test_the_evaluation_warning_says_what_each_rank_saw(n, size, world, said):
     from torch.utils.data import DataLoader
 
-    from accel_ctx import _eval_passes
-    from accel_ctx._shard import ShardPlan
+    from accel_ctx._data import eval_passes as _eval_passes
+    from accel_ctx._data.shard import ShardPlan
 
     loader = DataLoader(list(range(n)), batch_size=size)
     pending = _eval_passes.EvalPass(lambda: loader, "", ShardPlan(0, world), len(loader), 0, 0)

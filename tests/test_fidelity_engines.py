@@ -10,8 +10,10 @@ import torch
 from torch import nn
 from torch.optim import optimizer as optim_module
 
-from accel_ctx import _patches, _state, accumulate, distributed, mixed_precision, sharded, state
-from accel_ctx._scope import Scope
+from accel_ctx import accumulate, distributed, mixed_precision, sharded, state
+from accel_ctx._core import patches as _patches
+from accel_ctx._core import state as _state
+from accel_ctx._core.scope import Scope
 from accel_ctx.errors import ConfigurationError, MisnestedScopeError
 
 from ._spawn import spawn

@@ -205,7 +205,7 @@ def _failures(tmp_path, monkeypatch, codes, named):
     """ProcessFailures with exit ``codes``; ``named``: rank -> the culprit its error file names."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from accel_ctx import _blame
+    from accel_ctx._distributed import blame as _blame
     from accel_ctx.errors import DistributedError
 
     failures = {}
@@ -246,7 +246,7 @@ def test_a_thread_inside_a_collective_is_told_from_one_merely_in_torch_distribut
 
     import torch
 
-    from accel_ctx._progress import thread_state
+    from accel_ctx._distributed.progress import thread_state
 
     here = threading.get_ident()
     dist = os.path.join(os.path.dirname(torch.__file__), "distributed")

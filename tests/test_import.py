@@ -49,3 +49,31 @@ def test_the_commands_help_and_config_import_no_torch(tmp_path):
                             timeout=scaled(120), cwd=tmp_path, env={**__import__("os").environ,
                                                             "HOME": str(tmp_path)})
     assert result.returncode == 0, result.stderr
+
+
+def test_every_module_has_its_place_in_the_layers_contract():
+    """The layers are listed per module (pyproject.toml): a new module must be given a layer,
+    or nothing checks what it may import. The house's other rules are held here too: no module
+    over 350 lines, a handful of modules at the package root, small ``:`` groups."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(accel_ctx.__file__).parent
+    config = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    [layers] = [c for c in config["tool"]["importlinter"]["contracts"] if c["id"] == "layers"]
+    listed: set[str] = set()
+    for layer in layers["layers"]:
+        names = [n.strip() for n in layer.replace(":", "|").split("|")]
+        assert layer.count(":") < 6, f"a ':' layer of more than 6 names: {layer}"
+        listed.update(names)
+    modules = {".".join(p.relative_to(root).with_suffix("").parts)
+               for p in root.rglob("*.py") if p.name != "__init__.py"}
+    unplaced = sorted(m for m in modules if not any(
+        m == name or m.startswith(name + ".") for name in listed))
+    assert not unplaced, f"modules with no layer in pyproject.toml: {unplaced}"
+    at_root = sorted(m for m in modules if "." not in m)
+    assert len(at_root) <= 6, at_root
+    long = {m: n for m in modules
+            if (n := len((root / (m.replace(".", "/") + ".py")).read_text().splitlines())) > 350}
+    assert not long, f"modules over 350 lines: {long}"

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from accel_ctx import mixed_precision, state
-from accel_ctx._env import MIXED_PRECISION_VAR
+from accel_ctx._distributed.env import MIXED_PRECISION_VAR
 from accel_ctx._launch import config_cmd
 from accel_ctx._launch.args import OURS, parse, plan
 from accel_ctx._launch.config import read_file, write
 from accel_ctx._launch.help import launch_help
 from accel_ctx._launch.settings import SETTINGS, check
-from accel_ctx._precision_names import ALIASES, POLICIES
+from accel_ctx._precision.names import ALIASES, POLICIES
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 
@@ -121,8 +121,10 @@ for argv in ([], ["--help"], ["launch"], ["config", "--help"], ["config", "--sho
         accel_ctx.cli.main(argv)
     except SystemExit:
         pass
-allowed = {{"accel_ctx", "accel_ctx.cli", "accel_ctx.errors", "accel_ctx._env",
-           "accel_ctx._precision_names", "accel_ctx._options"}}
+allowed = {{"accel_ctx", "accel_ctx.cli", "accel_ctx.errors", "accel_ctx._options",
+           "accel_ctx._distributed", "accel_ctx._distributed.env", "accel_ctx._distributed.probe",
+           "accel_ctx._distributed.coordinates",
+           "accel_ctx._precision", "accel_ctx._precision.names"}}  # folders' __init__: empty
 ours = sorted(m for m in sys.modules if m.startswith("accel_ctx") and m not in allowed
               and not m.startswith("accel_ctx._launch"))
 assert not ours, ours

@@ -152,14 +152,14 @@ def test_split_between_processes_refuses_what_it_cannot_index():
 def _split_in_two(items):
     """split_between_processes as rank 0 of 2 sees it, without processes (coordinates faked by
     torch's fake process group would need a store; the rule itself is pure)."""
-    from accel_ctx import _evaluation
+    from accel_ctx._ranks import evaluation as _evaluation
 
     _evaluation._length(items, None)
     return _evaluation._split(items, 2, 0, False)
 
 
 def test_split_of_a_dataset_is_a_subset_view():
-    from accel_ctx import _evaluation
+    from accel_ctx._ranks import evaluation as _evaluation
 
     part = _evaluation._split(parity.Squares(), 3, 1, False)
     assert isinstance(part, Subset) and [part[i] for i in range(len(part))] == [16, 25, 36, 49]
@@ -330,7 +330,8 @@ def test_log_metrics_writes_once_from_rank_zero_to_csv_and_tensorboard(ranks):
 
 
 def test_progress_without_tqdm_prints_plain_lines(monkeypatch, capsys):
-    from accel_ctx import _watch, progress
+    from accel_ctx import progress
+    from accel_ctx._ranks import watch as _watch
 
     monkeypatch.setattr(_watch, "_optional", lambda name: None)
     assert list(progress(range(3), desc="eval", every_s=0.0)) == [0, 1, 2]
@@ -360,7 +361,7 @@ def test_torchdatas_stateful_dataloader_resumes_through_loader_state():
 
 
 def test_split_of_a_hugging_face_style_dataset_uses_its_select():
-    from accel_ctx import _evaluation
+    from accel_ctx._ranks import evaluation as _evaluation
 
     class Table:  # what datasets.Dataset offers: len, indexing, select(indices) -> Dataset
         def __init__(self, rows):

@@ -14,7 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import _patches, _state, accumulate, distributed, mixed_precision, state
+from accel_ctx import accumulate, distributed, mixed_precision, state
+from accel_ctx._core import patches as _patches
+from accel_ctx._core import state as _state
+from accel_ctx._engines import records as _records
 from accel_ctx.errors import ConfigurationError, MisnestedScopeError
 
 from ._timeouts import scaled
@@ -72,7 +75,7 @@ def test_stock_functions_are_back_after_an_exception():
         raise RuntimeError("boom")
     assert _state.raw() is None
     assert_stock()
-    assert _state.module_record(model) is None
+    assert _records.module_record(model) is None
     assert set(vars(model)) == set(vars(nn.Linear(2, 2)))  # nothing of ours on the module
 
 

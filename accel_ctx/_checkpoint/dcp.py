@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.utils.data import DataLoader
 
-from .. import _state
+from .._core import state as _state
 from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
@@ -43,6 +43,11 @@ def collective() -> bool:
 
 
 def rank_world() -> tuple[int, int]:
+    """This rank and the world size: the job's coordinates (a group formed by hand, outside
+    ``distributed()``: torch's)."""
+    where = _state.coordinates()
+    if where.world_size > 1:
+        return where.rank, where.world_size
     return (dist.get_rank(), dist.get_world_size()) if collective() else (0, 1)
 
 

@@ -51,6 +51,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
+from typing_extensions import override
 
 from ..errors import CheckpointError
 from .sums import Crc32Writer, Sums, file_crc32, hex32, manifest_crc32
@@ -193,6 +194,7 @@ _ALLOWED = frozenset({
 class _MetadataUnpickler(pickle.Unpickler):
     """Builds DCP's metadata dataclasses, torch sizes/dtypes and paths; refuses anything else."""
 
+    @override
     def find_class(self, module: str, name: str) -> Any:
         owner = sys.modules.get(module)  # never import on the checkpoint's behalf
         obj = getattr(owner, name, None) if owner is not None else None
@@ -213,6 +215,7 @@ class _TrackedFileSystem(FileSystem):
     last: str | os.PathLike[str] | None = None
 
     @contextlib.contextmanager
+    @override
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         self.last = path
         with super().create_stream(path, mode) as stream:
@@ -226,6 +229,7 @@ class SafeReader(FileSystemReader):
         super().__init__(path)
         self.fs = self._tracked = _TrackedFileSystem()
 
+    @override
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self.path) / ".metadata"
         try:
@@ -245,6 +249,7 @@ class SafeReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
         return metadata
 
+    @override
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         try:
             return super().read_data(plan, planner)
@@ -273,6 +278,7 @@ def _reason(exc: BaseException) -> str:
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's planner, loading non-tensor entries with ``weights_only=True`` (DCP uses False)."""
 
+    @override
     def load_bytes(self, read_item: ReadItem, value: Any) -> None:
         key = read_item.dest_index.fqn
         try:

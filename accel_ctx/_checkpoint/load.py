@@ -14,12 +14,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _adopt, _fsdp, _position, _state
-from .._accumulate import AccumulateRuntime
-from .._blame import collective
-from .._distributed import DistributedRuntime
+from .._core import state as _state
+from .._data import position as _position
+from .._data import records as _loader_records
+from .._distributed.blame import collective
 from .._options import checked, file_path, flag
-from .._warn import warn_user
 from ..errors import CheckpointError
 from . import rng
 from . import state as owned
@@ -106,14 +105,16 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     _check_names(folder, info, shared, stateful, named_loaders)
     mine = files.load_torch(folder / files.rank_file(rank)) if rank < saved_world else None
     generators = (mine or files.load_torch(folder / files.rank_file(0)))["generators"]
-    _to_device(stack, stateful)
+    if stack is not None:
+        for concern in stack.concerns:  # moved or sharded as training will use them
+            concern.prepare_for_load(stateful, stack.session)
     _clear_grads(stateful)
     with objs.as_stock_torch():
         objs.load(folder, stateful, shared["optimizers"], shared["plain"],
                   shared.get("optimizer_params", {}))
     counters = shared["counters"]
     owned.apply_counters(stack, counters, stateful)
-    _restore_partial_grads(stack, counters, mine, stateful, world == saved_world)
+    _restore_partial_grads(stack, mine, stateful, world == saved_world)
     _resume_loaders(stack, shared["loaders"], generators, named_loaders)
     if mine is not None:
         rng.restore(mine["rng"])
@@ -133,28 +134,6 @@ def _check_names(folder: Path, info: dict[str, Any], shared: dict[str, Any],
         )
 
 
-def _to_device(stack: _state.Stack | None, stateful: dict[str, Any]) -> None:
-    """Move models where distributed() will put them, so loaded optimizer states live there;
-    under sharded(), shard them now, so that each rank reads only its own shards."""
-    runtime = stack.find(DistributedRuntime) if stack is not None else None
-    if stack is not None and runtime is not None and runtime.plan is not None:
-        for obj in stateful.values():
-            if isinstance(obj, nn.Module):
-                _fsdp.prepare(runtime.job, obj, True, runtime.plan, stack.session)
-        for obj in stateful.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                _adopt.adopt_optimizer(runtime.job, obj)
-        return
-    device = stack.job.device if stack is not None and stack.job is not None else None
-    if device is None or device.type == "cpu":
-        return
-    for obj in stateful.values():
-        if isinstance(obj, nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
-            if tensors and all(t.device.type == "cpu" for t in tensors):
-                obj.to(device)
-
-
 def _clear_grads(stateful: dict[str, Any]) -> None:
     """A loaded state starts without gradients (DCP also needs none to create an empty
     optimizer state); partial ones saved inside an accumulation group are put back later."""
@@ -169,32 +148,26 @@ def _clear_grads(stateful: dict[str, Any]) -> None:
             p.grad = None
 
 
-def _restore_partial_grads(stack: _state.Stack | None, counters: dict[str, Any],
-                           mine: dict[str, Any] | None, stateful: dict[str, Any],
-                           same_world: bool) -> None:
-    group = owned.mid_group(counters)
-    acc = stack.find(AccumulateRuntime) if stack is not None else None
-    if group is None or acc is None:
+def _restore_partial_grads(stack: _state.Stack | None, mine: dict[str, Any] | None,
+                           stateful: dict[str, Any], same_world: bool) -> None:
+    """Offer the open concerns the partial gradients of a group the checkpoint was saved in."""
+    if stack is None:
         return
-    done, size = group
-    kept = mine is not None and all(  # partial sums held by FSDP2 were not saved
+    grads = mine["grads"] if mine is not None else {}
+    kept = mine is not None and same_world and all(  # partial sums in FSDP2 were not saved
         g is not None and not owned.is_sharded(stateful[n])
-        for n, g in mine["grads"].items() if isinstance(stateful.get(n), nn.Module))
-    if mine is not None and kept and same_world and acc.steps == size:
-        for name, grads in mine["grads"].items():
+        for n, g in grads.items() if isinstance(stateful.get(n), nn.Module))
+
+    def put_back() -> None:
+        for name, saved in grads.items():
             model = stateful.get(name)
             if isinstance(model, nn.Module):
                 params = dict(model.named_parameters())
-                for key, grad in grads.items():
+                for key, grad in saved.items():
                     params[key].grad = grad.to(params[key].device)
-        return
-    warn_user(
-        f"load_state: the checkpoint was saved after micro-batch {done} of an accumulation "
-        f"group of {size}; those partial gradients belong to the ranks and accumulate({size}) "
-        "that saved it (or were held inside a sharded model's engine, and not saved) and are "
-        "dropped here, so the next group starts afresh. Save after "
-        "opt.step() at a group boundary (state().sync_gradients) to resume elsewhere exactly.")
-    acc.restart_group()
+
+    for concern in stack.concerns:
+        concern.resume_group(kept, put_back)
 
 
 def _resume_loaders(stack: _state.Stack | None, entries: list[dict[str, Any]],
@@ -203,7 +176,7 @@ def _resume_loaders(stack: _state.Stack | None, entries: list[dict[str, Any]],
     for entry, generator in zip(entries, generators, strict=True):
         loader = named.get(entry["name"]) if entry["name"] is not None else None
         if loader is not None:
-            _position.apply_position(loader, _state.loader_record(loader), entry, generator)
+            _position.apply_position(loader, _loader_records.loader_record(loader), entry, generator)
         elif entry["name"] is None:
             by_order.append((entry, generator))
     if stack is not None:

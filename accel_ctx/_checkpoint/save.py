@@ -16,10 +16,10 @@ from typing import Any
 
 from torch import nn
 
-from .. import _position, _state
-from .._blame import collective
+from .._core import state as _state
+from .._data import position as _position
+from .._distributed.blame import collective
 from .._options import checked, file_path
-from .._precision import PrecisionRuntime
 from ..errors import ConfigurationError
 from . import rng
 from . import state as owned
@@ -73,9 +73,8 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
     guard.arrive("save_state()")
     root = Path(directory)
     stack = _state.current()
-    precision = stack.find(PrecisionRuntime) if stack is not None else None
-    if precision is not None:
-        precision.flush()  # the pending scale update would otherwise wait for the next backward
+    for concern in stack.concerns if stack is not None else ():
+        concern.before_checkpoint()  # e.g. fp16's pending scale update
     rank, world = objs.rank_world()
     step = stack.session.step if stack is not None else 0
     loaders = owned.loaders_to_save(stack, named_loaders)
@@ -135,7 +134,7 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
             "rng": rng.capture(),
             "generators": [*(_position.generator_state(loader) for _, loader in loaders),
                            *(generator for _, generator in pending)],
-            "grads": _partial_grads(counters, stateful),
+            "grads": _partial_grads(stack, stateful),
         })
         if rank == 0:
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
@@ -158,11 +157,11 @@ def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | 
     return final
 
 
-def _partial_grads(counters: dict[str, Any], stateful: dict[str, Any]) -> dict[str, Any]:
-    """The gradients accumulated so far in the group, per model; None for a sharded model,
-    whose partial sums FSDP2 holds unsharded inside its engine (the resume then warns and
-    starts the group afresh instead of silently dropping them)."""
-    if owned.mid_group(counters) is None:
+def _partial_grads(stack: _state.Stack | None, stateful: dict[str, Any]) -> dict[str, Any]:
+    """The gradients accumulated so far in an unfinished group, per model; None for a sharded
+    model, whose partial sums FSDP2 holds unsharded inside its engine (the resume then warns
+    and starts the group afresh instead of silently dropping them)."""
+    if stack is None or all(c.mid_group() is None for c in stack.concerns):
         return {}
     return {n: None if owned.is_sharded(m) else
             {k: p.grad.detach().cpu() for k, p in m.named_parameters() if p.grad is not None}

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .. import _state
-from .._position import apply_position
-from .._session import Session
+from .._core import state as _state
+from .._core.session import Session
+from .._data import records as _loader_records
+from .._data.position import apply_position
 
 
 # ---- counters ------------------------------------------------------------------------------------
@@ -75,15 +76,7 @@ def is_sharded(model: nn.Module) -> bool:
     return any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
-def mid_group(saved: dict[str, Any]) -> tuple[int, int] | None:
-    """(micro-batches done, group size) when saved inside an accumulation group, else None."""
-    acc = saved.get("concerns", {}).get("accumulate")
-    if acc is None or acc["micro"] == 0:
-        return None
-    return acc["micro"], acc["steps"]
-
-
-# ---- DataLoader positions (the rule itself is in accel_ctx._position) ------------------------------------------------------------------------
+# ---- DataLoader positions (the rule itself is in accel_ctx._data.position) ------------------------------------------------------------------------
 def loaders_to_save(
     stack: _state.Stack | None, named: dict[str, DataLoader[Any]]
 ) -> list[tuple[str | None, DataLoader[Any]]]:
@@ -126,7 +119,7 @@ class PendingLoaders:
         if self._entries:
             hooks.append(self)
 
-    def __call__(self, loader: Any, record: _state.LoaderRecord) -> None:
+    def __call__(self, loader: Any, record: _loader_records.LoaderRecord) -> None:
         if loader in self._named or not isinstance(loader, DataLoader) or not self._entries:
             return
         entry, generator = self._entries.pop(0)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+from typing_extensions import override
 
 Sums = dict[str, tuple[int, int]]
 """File name (relative to the checkpoint folder) -> (size in bytes, CRC-32)."""
@@ -96,6 +97,7 @@ class ChecksumFileSystem(FileSystem):
         self.error: OSError | None = None
 
     @contextlib.contextmanager
+    @override
     def create_stream(self, path: str | os.PathLike[str], mode: str) -> Iterator[Any]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
@@ -109,6 +111,7 @@ class ChecksumFileSystem(FileSystem):
                 self.error = self.error or writer.error
         self.sums[str(path)] = (writer.size, writer.crc)
 
+    @override
     def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
         if str(path) in self.sums:  # DCP writes .metadata under a temporary name first
@@ -122,6 +125,7 @@ class ChecksumWriter(FileSystemWriter):
         super().__init__(path)
         self.fs = self.checked = ChecksumFileSystem()
 
+    @override
     def write_data(self, *args: Any, **kwargs: Any) -> Any:
         try:
             return super().write_data(*args, **kwargs)

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import _env
+from .._distributed import env as _env
 from ..errors import AccelCtxError
 from . import config as _config
 
@@ -58,9 +58,9 @@ def report(version: str) -> str:
     try:
         launch = _env.detect()
         lines.append(
-            f"launch environment: {launch.source}, rank {launch.rank} of {launch.world_size}"
-            f" (local {launch.local_rank} of {launch.local_world_size}, node "
-            f"{launch.node_rank} of {launch.num_nodes})"
+            f"launch environment: {launch.source}, rank {launch.coordinates.rank} of {launch.coordinates.world_size}"
+            f" (local {launch.coordinates.local_rank} of {launch.coordinates.local_world_size}, node "
+            f"{launch.coordinates.node_rank} of {launch.coordinates.num_nodes})"
         )
     except AccelCtxError as exc:
         lines.append(f"launch environment: invalid: {exc}")

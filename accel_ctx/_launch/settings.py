@@ -20,8 +20,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import _env
-from .._precision_names import POLICIES, canonical
+from .._distributed import env as _env
+from .._precision.names import POLICIES, canonical
 from ..errors import ConfigurationError
 from .nproc import MAX_NPROC_VAR
 

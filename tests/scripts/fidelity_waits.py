@@ -14,7 +14,8 @@ import time
 
 import torch
 
-from accel_ctx import _progress, distributed, state, wait_for_everyone
+from accel_ctx import distributed, state, wait_for_everyone
+from accel_ctx._distributed import progress as _progress
 
 mode = sys.argv[1]
 if mode == "rank_only":

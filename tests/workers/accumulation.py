@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import _state, accumulate, distributed, mixed_precision, no_sync, state
+from accel_ctx import accumulate, distributed, mixed_precision, no_sync, state
+from accel_ctx._engines import records as _records
 
 from .common import MLP, make_data, params
 
@@ -29,7 +30,7 @@ def train_accumulating(n: int, batch: int, steps: int, epochs: int = 2) -> dict[
             for x, y in loader:
                 out = model(x)
                 if not hooked:
-                    engine = _state.module_record(model).engine  # type: ignore[union-attr]
+                    engine = _records.module_record(model).engine  # type: ignore[union-attr]
 
                     def count(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
                         allreduces[0] += 1

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.distributed._composable.replicate import replicate
 from torch.utils.data import DataLoader
 
-from accel_ctx import _state, distributed, state
+from accel_ctx import distributed, state
+from accel_ctx._engines import records as _records
 
 from .common import MLP, make_data, params
 
@@ -31,7 +32,7 @@ def _train(apply: str) -> dict[str, Any]:
             loss.backward()
             opt.step()
             opt.zero_grad()
-            record = _state.module_record(model)
+            record = _records.module_record(model)
             engines.append(None if record is None else type(record.engine).__name__)
         world = state().world_size
         if apply == "replicate":
@@ -44,7 +45,7 @@ def _train(apply: str) -> dict[str, Any]:
 
 def _part() -> dict[str, Any]:
     """A model whose part is replicated: accel_ctx adopts neither the part nor the whole."""
-    from accel_ctx._adopt import composable_apis
+    from accel_ctx._engines.adopt import composable_apis
 
     with distributed():
         torch.manual_seed(0)
@@ -52,7 +53,7 @@ def _part() -> dict[str, Any]:
         replicate(outer[0])
         x, y = make_data()[:8]
         F.cross_entropy(outer(x), y).backward()
-        return {"apis": composable_apis(outer), "record": _state.module_record(outer) is not None,
+        return {"apis": composable_apis(outer), "record": _records.module_record(outer) is not None,
                 "grad": outer[0].net[0].weight.grad is not None}
 
 

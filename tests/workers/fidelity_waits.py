@@ -29,15 +29,7 @@ from accel_ctx import (
 )
 
 from .._timeouts import scaled
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from .rendezvous_trust import _Lines
 
 
 @contextmanager
@@ -160,7 +152,7 @@ def out_of_memory_before_forward(timeout: float) -> dict[str, Any]:
 def leave_at_step_five(how: str) -> dict[str, Any]:
     """Rank 1 ends its process at step 5; its heartbeat is starved (as on a busy machine): it
     publishes once, as the scope begins, and never again."""
-    from accel_ctx import _progress
+    from accel_ctx._distributed import progress as _progress
 
     if int(os.environ["RANK"]) == 1:
         _progress.INTERVAL_S = 3600.0

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 
-from accel_ctx import _state, distributed, no_sync, on_main_process, state
+from accel_ctx import distributed, no_sync, on_main_process, state
+from accel_ctx._engines import records as _records
 
 from .common import (
     MLP,
@@ -54,7 +55,7 @@ def identity_and_models() -> dict[str, Any]:
         out["no_module_prefix"] = not any(k.startswith("module.") for k in model.state_dict())
         out["helper"] = model.save_pretrained() == before[3]
         out["greeting"] = model.greeting
-        out["engine"] = type(_state.module_record(model).engine).__name__  # type: ignore[union-attr]
+        out["engine"] = type(_records.module_record(model).engine).__name__  # type: ignore[union-attr]
 
         # GAN: two models, each with its own optimizer; plus a frozen helper model
         torch.manual_seed(1 + state().rank)  # different init per rank: adoption must sync it
@@ -75,11 +76,11 @@ def identity_and_models() -> dict[str, Any]:
             og.zero_grad()
             od.zero_grad()
         out["gan"] = params(gen), params(disc)
-        out["frozen_engine"] = bool(_state.module_record(frozen).engine)  # type: ignore[union-attr]
+        out["frozen_engine"] = bool(_records.module_record(frozen).engine)  # type: ignore[union-attr]
         out["frozen"] = params(frozen)
         out["len_loader"] = len(loader)
     # after the scope: no DDP, no record; backward outside does not synchronise
-    out["record_after"] = _state.module_record(model) is not None
+    out["record_after"] = _records.module_record(model) is not None
     torch.manual_seed(int(os.environ["RANK"]) + 7)  # outside the scope state() says rank 0
     model.zero_grad()
     F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()

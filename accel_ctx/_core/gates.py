@@ -1,0 +1,290 @@
+"""What runs inside the patched entry points while a scope is open: the open concerns' hooks.
+
+``_core.patches`` installs these gates (and the stock functions they fall back to) with the first
+scope; each gate runs the hooks of the stack's concerns (``_core.concern.Concern``) in their order.
+The common parts stay here: counting steps and backward passes, re-entrant ``step()`` calls,
+skipping a step without touching the parameters, LR schedulers that wait for real steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._data import iterate as _data
+from . import state as _state
+from .concern import ForwardCall
+from .session import OptimizerRecord, Session
+
+VIEW_MARK = "_accel_ctx_skipped_step_view"
+
+
+def _not_installed(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("accel_ctx's patches are not installed: no stock function was captured")
+
+
+class _Stock:
+    """torch's own functions, captured when the patches are installed."""
+
+    def __init__(self) -> None:
+        self.module_call: Callable[..., Any] = _not_installed  # nn.Module.__call__
+        self.backward: Callable[..., Any] = _not_installed  # torch.Tensor.backward
+
+
+stock = _Stock()
+
+
+def module_device_type(module: nn.Module) -> str:
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
+
+
+def top_level_call(
+    stack: _state.Stack, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A module called outside any adopted forward: the open concerns shape and wrap the call."""
+    if not stack.owned_here():  # a forked worker or a thread that inherited the context
+        return stock.module_call(module, *args, **kwargs)
+    hooks = stack.hooks
+    call = ForwardCall(module, args, kwargs, torch.is_grad_enabled())
+    for before in hooks.before_forward:  # picks the engine (a broadcast from rank 0 at first)
+        before(call, stack.session)
+    if call.engine is not None and call.grad and call.sync is not None:
+        call.engine.require_backward_grad_sync = call.sync
+    if hooks.forward_context and call.device_type is None:
+        call.device_type = module_device_type(module)
+    try:
+        contexts = [c for h in hooks.forward_context if (c := h(call)) is not None]
+        token = _state.enter_forward(stack)
+        try:
+            out = run(call, contexts)
+        finally:
+            _state.reset(token)
+        for after in hooks.after_forward:
+            out = after(call, out)
+        return out
+    except Exception as exc:
+        for failed in hooks.forward_failed:
+            failed(call, exc)
+        raise
+    finally:
+        for done in hooks.forward_done:
+            done(call)
+
+
+def run(call: ForwardCall, contexts: list[AbstractContextManager[Any]]) -> Any:
+    if not contexts:
+        return call.target(*call.args, **call.kwargs)
+    if len(contexts) == 1:
+        with contexts[0]:
+            return call.target(*call.args, **call.kwargs)
+    with contextlib.ExitStack() as exits:
+        for context in contexts:
+            exits.enter_context(context)
+        return call.target(*call.args, **call.kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor.backward
+# ------------------------------------------------------------------------------------------------
+def params_in_play(stack: _state.Stack) -> list[torch.Tensor]:
+    params = {id(p): p for p in stack.session.params_in_play()}
+    if stack.job is not None:
+        for module in list(stack.job.adoption.modules):
+            params.update((id(p), p) for p in module.parameters())
+    return list(params.values())
+
+
+def backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None or _state.IN_BACKWARD.get():
+        return wrapped(*args, **kwargs)
+    session = stack.session
+    hooks = stack.hooks
+    loss = instance
+    for before in hooks.before_backward:
+        loss = before(loss, session)
+    # Tensor subclasses dispatch backward through __torch_function__ back to this patch.
+    token = _state.IN_BACKWARD.set(True)
+    try:
+        contexts = [c for h in hooks.backward_context if (c := h()) is not None]
+        if contexts:
+            with contextlib.ExitStack() as exits:
+                for context in contexts:
+                    exits.enter_context(context)
+                result = stock.backward(loss, *args, **kwargs)
+        else:
+            result = stock.backward(loss, *args, **kwargs)
+    except Exception as exc:
+        for failed in hooks.backward_failed:
+            failed(exc)
+        raise
+    finally:
+        _state.IN_BACKWARD.reset(token)
+    session.backward_calls += 1
+    for after in hooks.after_backward:
+        after(session, lambda: params_in_play(stack))
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# DataLoader
+# ------------------------------------------------------------------------------------------------
+def loader_iter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None:
+        return wrapped(*args, **kwargs)
+    return _data.scoped_iter(stack, instance, wrapped)
+
+
+def loader_len(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is None:
+        return wrapped(*args, **kwargs)
+    return _data.scoped_len(stack, instance, wrapped)
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizers and schedulers
+# ------------------------------------------------------------------------------------------------
+def skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """A stand-in with the optimizer's settings but no parameters: its step() changes nothing."""
+    view: torch.optim.Optimizer = object.__new__(type(optimizer))
+    view.__dict__.update(optimizer.__dict__)
+    view.__dict__["param_groups"] = [{**g, "params": []} for g in optimizer.param_groups]
+    view.__dict__[VIEW_MARK] = True
+    return view
+
+
+class HookChain:
+    """``itertools.chain`` as ``torch.optim.optimizer`` sees it while a scope is open.
+
+    torch's step wrapper runs ``for hook in chain(global hooks, the optimizer's hooks)`` before
+    and after the step. A ``step()`` call that a scope holds back (mid ``accumulate()`` group,
+    an fp16 overflow) is not a step: as with ``GradScaler.step``, which never calls
+    ``optimizer.step()`` on an overflow, none of the hooks that others registered may run for it
+    (EMA updaters, step counters). Our pre-hook, first of the global ones, hands the step a
+    :func:`skipped_view`; every other hook of that call sees it as the step's first argument and
+    is left out. Only the hook loops of that module use ``chain(a, b)``;
+    ``chain.from_iterable`` is itertools' own.
+    """
+
+    from_iterable = staticmethod(itertools.chain.from_iterable)
+
+    def __new__(cls, *hook_groups: Iterable[Any]) -> Iterator[Any]:  # type: ignore[misc]
+        return _hooks_of_a_step(hook_groups)
+
+
+def _hooks_of_a_step(hook_groups: tuple[Iterable[Any], ...]) -> Iterator[Any]:
+    for group in hook_groups:
+        for hook in group:
+            yield hook if hook is before_step or hook is after_step or not callable(hook) \
+                else functools.partial(_unless_held_back, hook)
+
+
+def _unless_held_back(hook: Callable[..., Any], optimizer: torch.optim.Optimizer,
+                      args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args and getattr(args[0], "__dict__", {}).get(VIEW_MARK):
+        return None  # a held-back step() call: not a step
+    return hook(optimizer, args, kwargs)
+
+
+def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
+    record = stack.session.optimizers.get(optimizer)
+    if record is None:
+        record = stack.session.optimizer(optimizer)
+        for first in stack.hooks.first_optimizer:  # e.g. follow the adopted models' devices
+            first(optimizer)
+    return record
+
+
+def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    if optimizer.__dict__.get(VIEW_MARK):
+        return None
+    stack = _state.current()
+    if stack is None:
+        return None
+    session = stack.session
+    hooks = stack.hooks
+    record = optimizer_record(stack, optimizer)
+    if record.depth and record.depth_mark == session.backward_calls:
+        record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
+        return None
+    record.depth, record.depth_mark = 1, session.backward_calls
+    record.calls += 1
+    skip = not all(allows(record) for allows in hooks.allows_step)
+    if not skip:
+        # one step per backward, however many optimizers take it
+        if session.last_counted_group != session.backward_calls:
+            session.last_counted_group = session.backward_calls
+            session.step += 1
+        for skips in hooks.skips_step:
+            verdict = skips(optimizer)
+            if isinstance(verdict, torch.Tensor):  # the device decides; read when asked
+                session.skip_later(record, verdict)
+            elif verdict:
+                skip = True
+                session.skipped_steps += 1
+                break
+    record.skipping = skip
+    for before in hooks.before_step:
+        before(session)
+    if skip:
+        return ((skipped_view(optimizer), *args[1:]), kwargs)
+    return None
+
+
+def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    stack = _state.current()
+    if stack is None:
+        return
+    record = stack.session.optimizers.get(optimizer)
+    if record is None or record.depth == 0:
+        return
+    record.depth -= 1
+    if record.depth == 0:
+        if not record.skipping:
+            record.real += 1
+        for after in stack.hooks.after_step:
+            after(optimizer)
+
+
+def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is not None:
+        if isinstance(instance, torch.optim.Optimizer):
+            optimizer_record(stack, instance)  # known from now on (clipping under fp16)
+        if not all(allows() for allows in stack.hooks.allows_zero_grad):
+            return None  # mid-group: the accumulated gradients must stay
+    return wrapped(*args, **kwargs)
+
+
+def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stack = _state.current()
+    if stack is not None and schedule_must_wait(stack.session, instance):
+        return None
+    return wrapped(*args, **kwargs)
+
+
+def schedule_must_wait(session: Session, scheduler: Any) -> bool:
+    """Skip when the optimizer was stepped since the last schedule step, but never for real."""
+    optimizer = getattr(scheduler, "optimizer", None)
+    record = session.optimizers.get(optimizer) if optimizer is not None else None
+    if record is not None:
+        session.read_skips(record)  # a fused fp16 step skipped on the device: learn it now
+    now = (record.calls, record.real) if record is not None else (0, 0)
+    seen = session.schedulers.get(scheduler)
+    session.schedulers[scheduler] = now
+    if record is None:
+        return False
+    if seen is None:  # made before the scope: its first step here follows the last step() call
+        return record.skipping and getattr(scheduler, "_step_count", 1) > 0  # 0: being made
+    return now[0] > seen[0] and now[1] == seen[1]

@@ -1,0 +1,284 @@
+"""Every rank draws the same order of batches each epoch, or the job stops saying why.
+
+Before an epoch draws its order, every random number generator that can decide it is given
+rank 0's state: torch's global generator, the loader's ``generator`` and every
+``torch.Generator`` found on the sampler, the batch sampler (and the samplers they hold) or,
+for an iterable dataset, the dataset. Rank 0 then builds its iterator first and sends, in
+the same broadcast as the states, a fingerprint of the first batch it drew; every other rank
+draws from the states it received and compares. A sampler that draws from something else
+(Python's ``random``, NumPy, a generator it creates inside ``__iter__``) would give the ranks
+overlapping shares: the mismatching rank raises a :class:`DistributedError` naming the sampler
+and the fix. One broadcast per epoch, as before; nothing per step.
+
+A rank's own random stream stays its own. Scripts seed each rank differently (``manual_seed(s +
+rank)``) so that dropout, noise and augmentations differ between ranks; borrowing rank 0's
+global state for the order must not make every rank draw rank 0's numbers afterwards. So each
+rank's global generator is then put back to its own state, moved on by exactly as many words as
+building the epoch drew from it: where the same script under torchrun + DDP leaves it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import struct
+import types
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from itertools import islice
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from ..errors import DistributedError
+from .shard import EMPTY
+
+try:  # deprecated in torch; its iterator runs collectives of its own while it is built
+    from torch.utils.data import IterDataPipe as _IterDataPipe
+except ImportError:  # pragma: no cover - removed in a later torch
+    _IterDataPipe = ()  # type: ignore[assignment,misc]
+
+T = TypeVar("T")
+_WALK_BUDGET = 2000  # objects looked at when searching a sampler for its generators
+_SKIP = (str, bytes, numbers.Number, torch.Tensor, type, types.ModuleType, types.FunctionType,
+         types.MethodType, types.BuiltinFunctionType, nn.Module, DataLoader)
+
+
+def order_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The generators besides torch's global one that may decide ``loader``'s order."""
+    found: list[torch.Generator] = []
+    seen: set[int] = {id(torch.default_generator)}
+    budget = [_WALK_BUDGET]
+
+    def walk(obj: Any, depth: int) -> None:
+        if id(obj) in seen or budget[0] <= 0 or depth > 4 or obj is None:
+            return
+        seen.add(id(obj))
+        budget[0] -= 1
+        if isinstance(obj, torch.Generator):
+            found.append(obj)
+        elif isinstance(obj, _SKIP):
+            return
+        elif isinstance(obj, (list, tuple)):  # not sets: their order differs between ranks
+            for item in islice(obj, 64):
+                walk(item, depth + 1)
+        elif isinstance(obj, Mapping):
+            for item in islice(obj.values(), 64):
+                walk(item, depth + 1)
+        elif isinstance(obj, Dataset) and not (depth == 0 and isinstance(obj, IterableDataset)):
+            return  # a map-style dataset does not decide the order (its augmentations stay)
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict):
+                for item in islice(attributes.values(), 64):
+                    walk(item, depth + 1)
+
+    walk(loader.generator, 0)
+    walk(loader.sampler, 0)
+    walk(loader.batch_sampler, 0)
+    if isinstance(loader.dataset, IterableDataset):
+        walk(loader.dataset, 0)
+    return found
+
+
+# torch's CPU generator (mt19937) state: seed, words left before the next twist, seeded flag,
+# index of the next word, then the 624 state words (as uint64); normal-sample caches follow.
+_LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 624 * 8)
+_MAX_TWISTS = 1 << 16  # ~40M words: far more than building an epoch's order draws
+
+
+def _position(state: torch.Tensor) -> tuple[int, int]:
+    """(words left before the next twist, index of the next word) of a CPU generator state."""
+    return (int(state[_LEFT].view(torch.int32).item()),
+            int(state[_NEXT].view(torch.int64).item()))
+
+
+def words_drawn(before: torch.Tensor, after: torch.Tensor) -> int | None:
+    """How many 32-bit words a CPU generator drew to get from ``before`` to ``after``.
+
+    None when ``after`` is not a state ``before`` reaches by drawing (another seed, or more
+    than ``_MAX_TWISTS`` twists away).
+    """
+    walker = torch.Generator()
+    walker.set_state(before)
+    target_words = after[_WORDS]
+    target_next = _position(after)[1]
+    drawn = 0
+    for _ in range(_MAX_TWISTS):
+        now = walker.get_state()
+        left, next_word = _position(now)
+        if torch.equal(now[_WORDS], target_words) and target_next >= next_word:
+            rest = target_next - next_word
+            if rest:
+                torch.rand(rest, generator=walker)
+            same = torch.equal(walker.get_state()[:_WORDS.stop], after[:_WORDS.stop])
+            return drawn + rest if same else None
+        torch.rand(left, generator=walker)  # through the next twist
+        drawn += left
+    return None
+
+
+def advanced(state: torch.Tensor, words: int) -> torch.Tensor:
+    """``state`` moved on by ``words`` 32-bit words (one per float32 ``rand`` sample)."""
+    walker = torch.Generator()
+    walker.set_state(state)
+    while words > 0:
+        chunk = min(words, 1 << 22)
+        torch.rand(chunk, generator=walker)
+        words -= chunk
+    return walker.get_state()
+
+
+@contextlib.contextmanager
+def own_global_stream(borrowed: torch.Tensor) -> Iterator[None]:
+    """Draw from rank 0's global state ``borrowed`` inside, then go back to this rank's own
+    state, moved on by as many words as the block drew (what the same code would have drawn
+    from it)."""
+    own = torch.get_rng_state()
+    torch.set_rng_state(borrowed)
+    try:
+        yield
+    finally:
+        after = torch.get_rng_state()
+        words = words_drawn(borrowed, after)
+        # a stream that cannot be followed (reseeded inside): leave this rank's untouched
+        torch.set_rng_state(advanced(own, words) if words is not None else own)
+
+
+def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
+    return [torch.get_rng_state(), *(g.get_state() for g in generators)]
+
+
+def _set_states(generators: list[torch.Generator], states: list[torch.Tensor]) -> None:
+    """The loader's own generators (not the global one) take rank 0's states."""
+    for generator, state in zip(generators, states, strict=True):
+        generator.set_state(state)
+
+
+def shared_start(
+    loader: DataLoader[Any],
+    job: Any,
+    build: Callable[[], T],
+    first: Callable[[T], Any],
+) -> tuple[T, list[torch.Tensor], list[torch.Generator]]:
+    """Build the epoch's iterator from rank 0's RNG states; check the order agrees.
+
+    Returns the iterator, the states it started from and the generators they belong to (the
+    global one first, then :func:`order_generators`).
+    """
+    generators = order_generators(loader)
+    states = _states(generators)
+    sizes = [s.numel() for s in states]
+    device = job.comm_device(torch.device("cpu"))
+    if isinstance(loader.dataset, _IterDataPipe):  # it broadcasts while being built
+        buffer = torch.cat([torch.zeros(16, dtype=torch.uint8), *states]).to(device)
+        dist.broadcast(buffer, src=0)
+        states = [s.clone() for s in torch.split(buffer.cpu()[16:], sizes)]
+        _set_states(generators, states[1:])
+        with own_global_stream(states[0]):
+            return build(), states, generators
+    if job.rank == 0:
+        it = build()
+        header = torch.tensor([1, fingerprint(first(it))], dtype=torch.int64).view(torch.uint8)
+        dist.broadcast(torch.cat([header, *states]).to(device), src=0)
+        return it, states, generators
+    buffer = torch.empty(16 + sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=0)
+    received = buffer.cpu()
+    states = [s.clone() for s in torch.split(received[16:], sizes)]
+    _set_states(generators, states[1:])
+    with own_global_stream(states[0]):
+        it = build()
+        mine = fingerprint(first(it))
+    expected = int(received[8:16].view(torch.int64).item())
+    if mine != expected:
+        raise DistributedError(_mismatch(loader, job.rank, generators))
+    return it, states, generators
+
+
+def fingerprint(obj: Any) -> int:
+    """A 32-bit digest of a batch (or a batch of indices), equal on equal content.
+
+    Objects without a stable representation count by their type only: a fingerprint may miss
+    a difference, never invent one.
+    """
+    return _feed(obj, 0, 0)
+
+
+def _feed(obj: Any, crc: int, depth: int) -> int:
+    if obj is EMPTY:
+        return crc
+    if isinstance(obj, torch.Tensor):
+        return zlib.crc32(_tensor_digest(obj), crc)
+    if obj is None or isinstance(obj, (str, bytes, bool, numbers.Number)):
+        return zlib.crc32(repr(obj).encode(), crc)
+    if depth < 6 and isinstance(obj, (list, tuple)):
+        if all(isinstance(x, int) for x in obj):  # the common case: a batch of indices
+            return zlib.crc32(repr(list(obj)).encode(), crc)
+        crc = zlib.crc32(b"[", crc)
+        for item in obj:
+            crc = _feed(item, crc, depth + 1)
+        return zlib.crc32(b"]", crc)
+    if depth < 6 and isinstance(obj, Mapping):
+        for key, value in obj.items():
+            crc = _feed(value, _feed(key, crc, depth + 1), depth + 1)
+        return crc
+    if type(obj).__module__ == "numpy" and hasattr(obj, "dtype"):
+        try:
+            return zlib.crc32(_tensor_digest(torch.as_tensor(obj)), crc)
+        except (TypeError, RuntimeError, ValueError):
+            pass
+    return zlib.crc32(type(obj).__qualname__.encode(), crc)
+
+
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    """Shape, dtype and a position-weighted integer sum of (a strided sample of) the bits."""
+    head = f"{t.dtype}{tuple(t.shape)}".encode()
+    try:
+        flat = t.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        step = max(1, flat.numel() // 65536)
+        flat = flat[::step].cpu().contiguous()
+        if flat.dtype == torch.bool:
+            flat = flat.to(torch.uint8)
+        bits = flat.view(_INT_VIEW[flat.element_size()]).to(torch.int64)
+        weights = torch.arange(1, bits.numel() + 1, dtype=torch.int64) * 2654435761
+        return head + struct.pack("<q", int((bits * weights).sum().item()))
+    except (KeyError, RuntimeError, TypeError):  # an exotic dtype: shape and dtype only
+        return head
+
+
+def _describe(loader: DataLoader[Any]) -> str:
+    if isinstance(loader.dataset, IterableDataset):
+        return f"the IterableDataset {type(loader.dataset).__qualname__}"
+    batch_sampler = loader.batch_sampler
+    inner = getattr(batch_sampler, "sampler", None)
+    if batch_sampler is not None and type(batch_sampler).__name__ != "BatchSampler":
+        return f"the batch sampler {type(batch_sampler).__qualname__}"
+    return f"the sampler {type(inner if inner is not None else loader.sampler).__qualname__}"
+
+
+def _mismatch(loader: DataLoader[Any], rank: int, generators: list[torch.Generator]) -> str:
+    what = _describe(loader)
+    reached = "torch's global generator"
+    if generators:
+        reached += f" and the {len(generators)} torch.Generator(s) found on the loader"
+    return (
+        f"rank {rank}: {what} drew a different order of batches on this rank than on rank 0, "
+        f"although every rank started the epoch from rank 0's random states ({reached}). It "
+        "draws from a random number generator accel_ctx cannot reach (Python's random module, "
+        "NumPy, or a generator it creates or hides), so the ranks would train on overlapping "
+        "samples and skip others. Fix: keep a torch.Generator on the sampler (e.g. "
+        "self.generator = torch.Generator(), then torch.randperm(n, generator=self.generator)) "
+        "or pass DataLoader(generator=...); or seed the generator it uses identically on every "
+        "rank at each epoch (e.g. random.Random(seed + epoch)). If it splits the data between "
+        "ranks itself, use torch's DistributedSampler instead: accel_ctx then leaves that "
+        "loader's sharding to it."
+    )

@@ -1,0 +1,219 @@
+"""``distributed()``: the distributed concern.
+
+The scope forms the job (``_distributed.group``: environment -> process group -> device) and opens a
+:class:`DistributedRuntime`, whose hooks route each top-level module call to the DDP engine
+(``_engines.replicate``), move its inputs to the device, and record this rank's progress at every
+phase of the step for the other ranks' failure messages (``_distributed.blame``).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from typing_extensions import Unpack, override
+
+from .._core import state as _state
+from .._core.concern import Concern, Engine, ForwardCall, Params
+from .._core.scope import Scope
+from .._core.session import Session
+from .._data.eval_passes import verdict
+from .._engines import (
+    adopt as _adopt,
+)
+from .._engines import (
+    comm_hook as _comm_hook,
+)
+from .._engines import (
+    fsdp as _fsdp,
+)
+from .._engines import (
+    replicate as _replicate,
+)
+from .._engines.ddp_controls import holds_back
+from .._engines.replica_inputs import check_first_inputs
+from .._options import checked
+from .._precision.scope import check_env_policy, precision_from_env
+from ..errors import ConfigurationError
+from . import blame as _blame
+from .group import start_job
+from .job import Job
+from .options import DEFAULT_TIMEOUT, DistributedOptions, Options, check_nested, parse_options
+from .progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
+
+# Re-exported: the options live with their checks in _dist_options.
+__all__ = ["DEFAULT_TIMEOUT", "DistributedOptions", "DistributedRuntime", "distributed",
+           "open_runtime"]
+
+
+@checked
+class distributed(Scope):
+    """Run the enclosed training code data-parallel on every process of the job.
+
+    Reads the launch environment (``accel-ctx launch``/torchrun, SLURM, Open MPI; none means
+    one process), joins the process group, picks the device (``cuda:LOCAL_RANK``, else mps,
+    else cpu) and, inside the scope:
+
+    * iterating any DataLoader yields this rank's share of the batches, on the device;
+    * the first top-level call of a module with trainable parameters moves it to the device,
+      starts every rank from rank 0's weights and averages its gradients with DDP's engine,
+      while ``model`` stays the very same object (class, attributes, ``state_dict`` keys).
+
+    Everything it set up is torn down on exit, also on an exception. Nesting is harmless;
+    scopes one after another (train, then evaluate; a sweep) each get a fresh setup.
+
+    Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
+    ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
+    ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
+    ``debug``, ``comm_hook`` (see :class:`DistributedOptions`).
+
+    Examples:
+        >>> import torch
+        >>> from accel_ctx import distributed, state
+        >>> with distributed():
+        ...     model = torch.nn.Linear(4, 2)
+        ...     out = model(torch.randn(3, 4))
+        ...     print(state().world_size, out.shape)
+        1 torch.Size([3, 2])
+    """
+
+
+    def __init__(self, **options: Unpack[Options]) -> None:
+        super().__init__()
+        self.options = parse_options(options)
+
+    @override
+    def _open(self, exits: ExitStack) -> DistributedRuntime | tuple[Concern, ...]:
+        return open_runtime(self.options, exits, None)
+
+
+def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.ShardingPlan | None
+                 ) -> DistributedRuntime | tuple[Concern, ...]:
+    """The runtime of a ``distributed()`` (or ``sharded()``: ``plan``) entry: the job of the
+    scope below, or a new one. A sharding plan below stays in force unless ``plan`` replaces it."""
+    below = _state.current()
+    outer_runtime = below.find(DistributedRuntime) if below is not None else None
+    if outer_runtime is not None:
+        outer = outer_runtime.job
+        check_nested(outer.device, outer.backend, outer.root.options, options)
+        plan = plan or outer_runtime.plan
+        _check_comm_hook(plan, options, outer.root.options)
+        _comm_hook.check_device(options.comm_hook, outer.device)
+        return DistributedRuntime(outer.nested(options), plan)
+    _check_comm_hook(plan, options)  # before the group forms: every rank refuses alike
+    check_env_policy()
+    job = start_job(options, exits)
+    runtime = DistributedRuntime(job, plan)
+    default = precision_from_env(job.device, exits)
+    return (runtime, default) if default is not None else runtime
+
+
+def _check_comm_hook(plan: _fsdp.ShardingPlan | None, *options: DistributedOptions) -> None:
+    if plan is not None and any(o.comm_hook is not None for o in options):
+        raise ConfigurationError(
+            "distributed(comm_hook=...) applies to DDP's gradient all-reduce, and sharded() "
+            "trains with FSDP2, which has no comm hooks; drop comm_hook, or use distributed() "
+            "alone (for lower-precision reductions under sharded(), FSDP2 reduces in fp32 by "
+            "design of mixed_precision).")
+
+
+class DistributedRuntime(Concern):
+    """The live side of one ``distributed()`` entry: its job, and the hooks that use it."""
+
+    slot, order = "distributed", 0
+    job: Job
+
+    def __init__(self, job: Job, plan: _fsdp.ShardingPlan | None = None) -> None:
+        self.job = job
+        self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
+
+    # ---- a top-level module call ---------------------------------------------------------------
+    @override
+    def before_forward(self, call: ForwardCall, session: Session) -> None:
+        job = self.job
+        progress = job.progress  # where this rank is, for the others' error messages
+        progress.seq += 1
+        progress.mark(FORWARD)
+        engine: Engine | None
+        try:
+            if self.plan is None:
+                call.target, engine = _replicate.prepare(job, call.module, call.grad)
+            else:
+                call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
+                                                    session)
+            if engine is not None and engine is not call.module and call.grad:
+                check_first_inputs(job, call, session)
+        except Exception as exc:
+            # the engine's setup broadcasts rank 0's weights
+            _blame.reraise(job, exc, "forward (setting up DDP)" if self.plan is None
+                           else "forward (sharding the model)")
+            raise
+        call.engine = engine
+        if not call.grad:
+            job.root.no_grad_forwards += 1  # an evaluation may be running (_eval_passes)
+        if engine is not None and call.grad:
+            progress.armed = True  # its backward averages gradients with every rank
+            if engine is not call.module:
+                # ours: DDP's own controls on the model, the accumulation and no_sync scopes veto
+                call.sync = not holds_back(call.module)
+        if engine is None or job.device.type != "cuda":
+            call.args, call.kwargs = _adopt.inputs_to_device(job, call.args, call.kwargs)
+        call.device_type = job.device.type
+
+    @override
+    def forward_failed(self, call: ForwardCall, exc: Exception) -> None:
+        if call.engine is not None:
+            _blame.reraise(self.job, exc, "forward")  # DDP's buffer broadcast
+
+    @override
+    def forward_done(self, call: ForwardCall) -> None:
+        self.job.progress.phase = AFTER_FORWARD
+
+    # ---- loss.backward() -------------------------------------------------------------------------
+    @override
+    def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
+        verdict(self.job)  # training goes on: judge a finished evaluation pass
+        progress = self.job.progress
+        if progress.armed and self.job.world_size > 1:
+            _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")
+        progress.seq += 1
+        progress.mark(BACKWARD)
+        return loss
+
+    @override
+    def backward_failed(self, exc: Exception) -> None:
+        _blame.reraise(self.job, exc, "backward")  # DDP's gradient all-reduce
+
+    @override
+    def after_backward(self, session: Session, params: Params) -> None:
+        progress = self.job.progress
+        progress.armed = False
+        progress.phase = AFTER_BACKWARD
+
+    # ---- opt.step() ------------------------------------------------------------------------------
+    @override
+    def first_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        _adopt.adopt_optimizer(self.job, optimizer)  # follow the adopted models to their device
+
+    @override
+    def before_step(self, session: Session) -> None:
+        progress = self.job.progress
+        progress.step, progress.seq = session.step, 0
+        progress.mark(STEP)
+
+    @override
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.job.progress.phase = AFTER_STEP
+
+    # ---- state() and checkpoints -----------------------------------------------------------------
+    @override
+    def snapshot(self) -> dict[str, Any]:
+        job = self.job
+        return {**job.coordinates.as_dict(), "device": job.device, "backend": job.backend,
+                "distributed": True}
+
+    @override
+    def prepare_for_load(self, objects: dict[str, Any], session: Session) -> None:
+        _replicate.prepare_for_load(self.job, self.plan, objects, session)
+

@@ -1,0 +1,33 @@
+"""The names of the precision policies and their aliases: one table for the scope and the launcher.
+
+A leaf module (no torch): ``mixed_precision()``, ``accel-ctx launch --mixed-precision`` and the
+config file all read it, so a spelling accepted by one is accepted by all.
+
+Examples:
+    >>> from accel_ctx._precision.names import canonical
+    >>> canonical("bfloat16"), canonical("off"), canonical("fp8")
+    ('bf16', 'no', None)
+"""
+
+from __future__ import annotations
+
+POLICIES = ("bf16", "fp16", "no")
+"""The policies, by their canonical names."""
+
+ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "fp32": "no",
+    "float32": "no",
+    "none": "no",
+    "off": "no",
+}
+"""Other spellings users write, and the policy each means."""
+
+
+def canonical(name: str) -> str | None:
+    """The canonical policy for ``name`` (any case, alias or not); None when it is no policy."""
+    lowered = name.strip().lower()
+    lowered = ALIASES.get(lowered, lowered)
+    return lowered if lowered in POLICIES else None

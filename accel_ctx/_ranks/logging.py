@@ -1,0 +1,112 @@
+"""Output once per job: main_print, and get_logger (standard logging; per rank on request)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import MutableMapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+from typing_extensions import override
+
+from .._core import state as _state
+from .._options import checked, flag, text
+from ..errors import ConfigurationError
+
+if TYPE_CHECKING:
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:
+    _Adapter = logging.LoggerAdapter
+
+
+class _RankLogger(_Adapter):
+    """A LoggerAdapter deciding per call, from the scope, whether this rank logs."""
+
+    def __init__(self, logger: logging.Logger, all_ranks: bool) -> None:
+        super().__init__(logger, {})
+        self.all_ranks = all_ranks
+
+    @override
+    def isEnabledFor(self, level: int) -> bool:
+        if not self.all_ranks and _state.coordinates().rank != 0:
+            return False
+        return self.logger.isEnabledFor(level)
+
+    @override
+    def process(
+        self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        where = _state.coordinates()
+        rank, world = where.rank, where.world_size
+        kwargs["extra"] = {"rank": rank, "world_size": world, **(kwargs.get("extra") or {})}
+        if self.all_ranks and world > 1:
+            msg = f"[rank {rank}/{world}] {msg}"
+        return msg, kwargs
+
+
+@checked
+def get_logger(
+    name: str | None = None, *, all_ranks: bool = False, level: int | str | None = None
+) -> logging.LoggerAdapter[logging.Logger]:
+    """A standard logger (``logging.getLogger(name)`` underneath) that logs on rank 0 only.
+
+    The rank is read at each call, so one module-level logger serves inside and outside
+    ``distributed()``. ``all_ranks=True``: every rank logs, each message prefixed with
+    ``[rank r/W]`` when there are several. Every record carries ``rank`` and ``world_size``
+    attributes for formatters (``%(rank)s``). Handlers and levels are the standard ones:
+    configure ``logging`` as usual; ``level`` sets the underlying logger's level.
+
+    Examples:
+        >>> import logging, sys
+        >>> from accel_ctx import get_logger
+        >>> handler = logging.StreamHandler(sys.stdout)
+        >>> handler.setFormatter(logging.Formatter("%(rank)s %(message)s"))
+        >>> logging.getLogger("train").addHandler(handler)
+        >>> log = get_logger("train", level="INFO")
+        >>> log.info("epoch %d", 1)
+        0 epoch 1
+        >>> logging.getLogger("train").removeHandler(handler)
+    """
+    text("get_logger", "name", name)
+    flag("get_logger", "all_ranks", all_ranks)
+    if level is not None and not _known_level(level):
+        raise ConfigurationError(
+            f"get_logger(level={level!r}): give a logging level: a number such as logging.INFO "
+            "or a name: 'DEBUG', 'INFO', 'WARNING', 'ERROR', 'CRITICAL'; or None.")
+    logger = logging.getLogger(name)
+    if level is not None:
+        logger.setLevel(level)
+    return _RankLogger(logger, all_ranks)
+
+
+def _known_level(level: object) -> bool:
+    if isinstance(level, str):
+        return isinstance(logging.getLevelName(level), int)  # a name logging knows
+    return isinstance(level, int) and not isinstance(level, bool) and level >= 0
+
+
+class _Writable(Protocol):
+    def write(self, text: str, /) -> Any: ...
+    def flush(self) -> Any: ...
+
+
+@checked
+def main_print(
+    *values: object, sep: str | None = " ", end: str | None = "\n",
+    file: _Writable | None = None, flush: bool = False,
+) -> None:
+    """``print()`` on the main process (rank 0 of the job) only; the other ranks print nothing.
+
+    Same arguments as the built-in ``print``, which it calls; it does not synchronise the ranks.
+    Named ``main_print`` rather than ``print`` so that ``from accel_ctx import *`` never
+    shadows the built-in. For leveled, per-rank output use :func:`get_logger`.
+
+    Examples:
+        >>> from accel_ctx import main_print
+        >>> main_print("epoch", 1, "done")
+        epoch 1 done
+    """
+    text("main_print", "sep", sep)  # checked on every rank, as print() would on rank 0
+    text("main_print", "end", end)
+    flag("main_print", "flush", flush)
+    if _state.coordinates().rank == 0:
+        print(*values, sep=sep, end=end, file=file, flush=flush)
