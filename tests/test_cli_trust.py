@@ -10,7 +10,7 @@ import pytest
 from accel_ctx import cli, launch, mixed_precision
 from accel_ctx._launch.args import plan
 from accel_ctx._launch.config_cmd import config_main
-from accel_ctx._precision import scope as _precision
+from accel_ctx._precision import runtime as _precision_runtime
 from accel_ctx.cli import main, torchrun_arity
 from accel_ctx.errors import ConfigurationError
 
@@ -150,7 +150,7 @@ def test_exit_codes_follow_the_script_and_the_shell(capsys):
 def test_an_explicit_policy_wins_and_a_conflict_with_the_launcher_warns_once(monkeypatch):
     monkeypatch.setenv("ACCEL_CTX_MIXED_PRECISION", "bf16")
     monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.setattr(_precision, "_CONFLICTS_REPORTED", set(), raising=False)
+    monkeypatch.setattr(_precision_runtime, "_CONFLICTS_REPORTED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -162,7 +162,7 @@ def test_an_explicit_policy_wins_and_a_conflict_with_the_launcher_warns_once(mon
     assert len(messages) == 1, messages
     assert "mixed_precision('no')" in messages[0] and "--mixed-precision bf16" in messages[0]
     assert caught[0].filename == __file__  # points at the user's line
-    monkeypatch.setattr(_precision, "_CONFLICTS_REPORTED", set())
+    monkeypatch.setattr(_precision_runtime, "_CONFLICTS_REPORTED", set())
     monkeypatch.setenv("RANK", "1")  # other ranks stay quiet
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
