@@ -198,11 +198,14 @@ def check_optimizers(folder: Path, stateful: dict[str, Any], saved: dict[str, An
 
 
 def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
-         plain: dict[str, Any], params: dict[str, Any]) -> None:
-    """Load the objects in place: DCP fills templates made from them, then they take them."""
-    check_optimizers(folder, stateful, params)
+         plain: dict[str, Any], params: dict[str, Any], only: set[str] | None = None) -> None:
+    """Load the objects in place: DCP fills templates made from them, then they take them.
+
+    ``only``: the names to load (the others in ``stateful`` name an optimizer's models)."""
+    chosen = {n: o for n, o in stateful.items() if only is None or n in only}
+    check_optimizers(folder, stateful, {n: p for n, p in params.items() if n in chosen})
     templates: dict[str, Any] = {}
-    for name, obj in stateful.items():
+    for name, obj in chosen.items():
         if isinstance(obj, nn.Module):
             templates[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer) and forms.get(name) is not None:
@@ -213,11 +216,11 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
         elif not isinstance(obj, torch.optim.Optimizer):
             templates[name] = obj.state_dict()
     if templates:
-        _check_keys(folder, templates, stateful)
+        _check_keys(folder, templates, chosen)
         with checkpoint_errors(folder, "load"):
             dcp_load(templates, storage_reader=files.SafeReader(folder),
                      planner=files.SafeLoadPlanner(), no_dist=not collective())
-    for name, obj in stateful.items():
+    for name, obj in chosen.items():
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, templates[name])
         elif isinstance(obj, torch.optim.Optimizer) and name in templates:
