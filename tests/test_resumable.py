@@ -253,19 +253,53 @@ def test_a_failed_save_warns_and_training_goes_on(tmp_path, monkeypatch):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses, _, _ = _train(tmp_path, 4, every_steps=2)
-    assert len(losses) == 4 and calls == [2, 4, 4]  # the last: the final checkpoint
+    assert len(losses) == 4 and calls == [2, 4]  # step 4's save is the final checkpoint
     assert any("could not be saved" in str(w.message) and "no space left" in str(w.message)
                for w in caught)
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
-        "ckpt-000001-step4", "ckpt-000002-step4"]
+        "ckpt-000001-step4"]
 
 
 def test_keeps_the_last_checkpoints_and_the_tracked_values(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="accel_ctx.checkpoint"):
         _, first, _ = _train(tmp_path, 6, every_steps=1, keep_last=2)
+        # the final checkpoint is step 6's periodic save, not a second save of that step
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
-            "ckpt-000006-step6", "ckpt-000007-step6"]
+            "ckpt-000005-step5", "ckpt-000006-step6"]
         losses, again, resumed = _train(tmp_path, 6, every_steps=1, keep_last=2)
     assert resumed and losses == []
     assert again["values"] == first["values"] and json.dumps(first["values"])
     assert "nothing left to run" in caplog.text
+
+
+def _gan(folder: Path, steps: int, stop_at: int | None = None) -> dict[str, Any] | None:
+    """A second model and optimizer met only every 4th step (a critic, an evaluation model)."""
+    try:
+        with distributed(), resumable(folder, every_steps=1) as run:
+            torch.manual_seed(0)
+            model, critic = nn.Linear(4, 2), nn.Linear(4, 1)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            critic_opt = torch.optim.SGD(critic.parameters(), lr=0.1, momentum=0.9)
+            while run.step < steps:
+                if run.step == stop_at:
+                    raise KeyboardInterrupt
+                x = torch.randn(8, 4)
+                model(x).pow(2).mean().backward()
+                opt.step()  # first: keys follow the order objects are first met
+                opt.zero_grad()
+                if run.step % 4 == 1:
+                    critic(x).pow(2).mean().backward()
+                    critic_opt.step()
+                    critic_opt.zero_grad()
+    except KeyboardInterrupt:
+        return None
+    return {"model": model.state_dict(), "critic": critic.state_dict(),
+            "critic_opt": critic_opt.state_dict()["state"]}
+
+
+def test_objects_not_met_again_before_a_save_are_kept_across_two_restarts(tmp_path):
+    want = _gan(tmp_path / "a", 10)
+    _gan(tmp_path / "b", 10, stop_at=6)  # the critic trained after steps 1 and 5
+    _gan(tmp_path / "b", 10, stop_at=8)  # saved at 7 and 8, the critic not met again
+    got = _gan(tmp_path / "b", 10)
+    _same(got, want)

@@ -35,6 +35,7 @@ from .._core import state as _state
 from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
+from .state import Carried
 
 
 # ---- the ranks ---------------------------------------------------------------------------------
@@ -133,7 +134,12 @@ def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     state_dict: dict[str, Any] = {}
     forms: dict[str, Any] = {}
     for name, obj in stateful.items():
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, Carried):  # as the checkpoint resumed from had it
+            if obj.optimizer:
+                forms[name] = obj.form
+            if obj.state is not None:
+                state_dict[name] = obj.state
+        elif isinstance(obj, nn.Module):
             state_dict[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             owners = _owners(obj, stateful)
@@ -158,6 +164,8 @@ def optimizer_params(stateful: dict[str, Any]) -> dict[str, Any]:
     """For each optimizer over saved models: their names and its parameters' names in them."""
     out = {}
     for name, obj in stateful.items():
+        if isinstance(obj, Carried) and obj.params is not None:
+            out[name] = obj.params
         if isinstance(obj, torch.optim.Optimizer) and (owners := _owners(obj, stateful)):
             module = _owner_module(owners, stateful, name)
             out[name] = {"owners": owners, "params": _param_names(obj, module)}
@@ -236,6 +244,22 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
                 ) from None
         else:
             obj.load_state_dict(templates[name])
+
+
+def read_entry(folder: Path, name: str) -> Any:
+    """The entry ``name`` of a checkpoint as saved, with no object to load it into (tensors
+    whole on this rank, whatever the world size that saved them)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = files.SafeReader(folder)
+    keys = {k for k in reader.read_metadata().state_dict_metadata
+            if k == name or k.startswith(name + ".")}
+    out: dict[str, Any] = {}
+    with checkpoint_errors(folder, "load"):
+        _load_state_dict(out, storage_reader=files.SafeReader(folder), no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner(keys=keys))  # type: ignore[no-untyped-call]
+    return out.get(name)
 
 
 @contextlib.contextmanager

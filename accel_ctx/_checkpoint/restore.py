@@ -112,6 +112,19 @@ class Checkpoint:
         form = self.shared["optimizers"].get(name)
         return list(form) if form else []
 
+    def carry(self, name: str) -> Any:
+        """The entry ``name`` as saved, to be saved again (``state.Carried``)."""
+        from .state import Carried
+
+        forms = self.shared["optimizers"]
+        counters = {kind: self.counters[kind][name] for kind in ("optimizers", "schedulers")
+                    if self.counters and name in self.counters.get(kind, {})}
+        optimizer = name in forms
+        form = forms[name] if optimizer else ...
+        state = objs.read_entry(self.folder, name) if not optimizer or form else None
+        return Carried(state, form, self.shared["plain"].get(name),
+                       self.shared.get("optimizer_params", {}).get(name), counters)
+
     def load(self, name: str, obj: Any, others: dict[str, Any], what: str) -> None:
         """Load ``obj``, saved as ``name``; ``others``: its owner models (optimizers).
         ``what`` describes the object for an error ("the first model met (Net)")."""

@@ -42,6 +42,7 @@ from .._core.concern import Concern, ForwardCall
 from .._core.session import Session
 from .._warn import warn_user
 from ..errors import CheckpointError, DistributedError
+from . import saver
 from .preempt import Preempted, Signals
 from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
 
@@ -71,6 +72,7 @@ class ResumeRuntime(Concern):
                                                         "scheduler": []}
         self.keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self.tracked: dict[str, Any] = {}
+        self.carried: dict[str, Any] = {}  # the checkpoint's entries not met again yet
         self.unrestored: list[tuple[str, torch.optim.Optimizer]] = []
         self.process_restored = True
         self.start_step = self.checked_step = self.last_saved = 0
@@ -110,7 +112,8 @@ class ResumeRuntime(Concern):
             )
         self.meta.values.update(json.loads(loaded.get("values", "{}")))
         self.meta.next_epoch = int(loaded.get("epoch", 0))
-        self.meta.finished = bool(loaded.get("finished", 0))
+        self.meta.finished = bool(loaded.get("finished", 0)) or (
+            self.checkpoint is not None and saver.marked_finished(self.folder, self.checkpoint.folder))
         if self.meta.finished and self.checkpoint is not None:
             self._say(f"resumable({self.folder}): the run finished at step "
                       f"{self.checkpoint.step} (checkpoint {self.checkpoint.folder.name}): "
@@ -136,6 +139,10 @@ class ResumeRuntime(Concern):
             if not self.meta.finished:
                 self._say(f"resumable({self.folder}): no step was taken since checkpoint "
                           f"{self.checkpoint.folder.name} (step {self.session.step}).")
+            return
+        if self.last_saved == self.session.step and self.last_path is not None:
+            if self.rank == 0:  # that save is the final checkpoint
+                saver.mark_finished(self.folder, self.last_path)
             return
         self.meta.finished = True  # the final checkpoint: a run started again says so
         token = _state._STACK.set(self.stack)  # the scope's own stack, its counters
@@ -301,6 +308,14 @@ class ResumeRuntime(Concern):
                     out[f"{kind}{i}"] = obj
         out.update(self.tracked)
         out[META] = self.meta
+        checkpoint = self.checkpoint
+        if checkpoint is None:
+            return out
+        loaders = {e.get("name") for e in checkpoint.shared["loaders"]}
+        for name in sorted(checkpoint.names - out.keys() - loaders):
+            if name not in self.carried:  # read once: the checkpoint may be rotated out later
+                self.carried[name] = checkpoint.carry(name)
+            out[name] = self.carried[name]
         return out
 
     def save(self, why: str = "") -> Path | None:

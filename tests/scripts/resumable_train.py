@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import distributed, resumable, state
+from accel_ctx import distributed, load_state, resumable, state
 
 EPOCHS = 3
 ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
@@ -41,6 +41,7 @@ with distributed(timeout=timeout), resumable(ckpt, every_steps=every) as run:
     loader = DataLoader(data, batch_size=4, shuffle=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2,
                                                 total_steps=EPOCHS * len(loader))
+    taken = 0
     with (out / f"loss.rank{rank}").open("a") as log:
         for _epoch in run.epochs(EPOCHS):
             for x, y in loader:
@@ -51,10 +52,13 @@ with distributed(timeout=timeout), resumable(ckpt, every_steps=every) as run:
                 opt.zero_grad()
                 log.write(f"{run.step} {loss.item().hex()} {attempt}\n")
                 log.flush()
+                taken += 1
                 if pause:
                     time.sleep(pause)
-    if run.finished:  # started again once finished: no step ran, nothing was restored
-        sys.exit(0)
+    if run.finished and all((out / f"final.rank{r}.pt").exists() for r in range(2)):
+        sys.exit(0)  # started again once finished: no step ran, nothing was restored
+    if not taken:  # killed after its last save, before this file: the loop met nothing
+        load_state(ckpt, model0=model, optimizer0=opt)
     final = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()},
              "optimizer": {f"{i}.{k}": v.clone() for i, s in opt.state_dict()["state"].items()
                            for k, v in s.items() if isinstance(v, torch.Tensor)},
