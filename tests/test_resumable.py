@@ -303,3 +303,24 @@ def test_objects_not_met_again_before_a_save_are_kept_across_two_restarts(tmp_pa
     _gan(tmp_path / "b", 10, stop_at=8)  # saved at 7 and 8, the critic not met again
     got = _gan(tmp_path / "b", 10)
     _same(got, want)
+
+
+def test_periodic_saves_are_written_in_the_background_exactly_as_staged(tmp_path, monkeypatch):
+    import threading
+
+    from accel_ctx._checkpoint import files
+
+    real, threads = files.publish, []
+
+    def publish(*args: Any, **kwargs: Any) -> Path:
+        threads.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.05)  # a slow disk: training goes on meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files, "publish", publish)
+    full, want, _ = _train(tmp_path / "a", 9)
+    first, _, _ = _train(tmp_path / "b", 9, stop_at=7, every_steps=3)
+    assert threads[-2:] == [False, False]  # steps 3 and 6: written by the saver thread
+    rest, got, _ = _train(tmp_path / "b", 9, every_steps=3)
+    assert first == full[:7] and rest == full[6:]  # step 6's state, not a later one
+    _same(got, want)

@@ -52,18 +52,20 @@ def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if collective() else (0, 1)
 
 
-def gather(value: Any) -> list[Any]:
+def gather(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (``group``: a group of the job's ranks, None: the default)."""
     if not collective():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def agree(error: BaseException | None, what: str, value: Any = None) -> list[Any]:
+def agree(error: BaseException | None, what: str, value: Any = None,
+          group: Any = None) -> list[Any]:
     """Every rank learns whether every rank succeeded (instead of waiting in a barrier), and
     gets every rank's ``value`` in the same exchange."""
-    gathered = gather((None if error is None else repr(error), value))
+    gathered = gather((None if error is None else repr(error), value), group)
     for rank, (message, _) in enumerate(gathered):
         if message is not None:
             if error is not None:

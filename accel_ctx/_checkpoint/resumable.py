@@ -255,6 +255,7 @@ def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
     objs.agree(error, f"open the run folder {root}")
     group = new_group(world)
     runtime.group = group
+    runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
     folder = find.choose(root, rank, world, False)
     checkpoint = Checkpoint(folder, rank, world) if folder is not None else None
     runtime.open(stack, checkpoint, group, rank, world)
@@ -275,9 +276,11 @@ def _leave(runtime: ResumeRuntime) -> None:
     if lock is not None:
         runtime.lock = None
         lock.release()
-    if runtime.group is not None:
+    groups = [g for g in (runtime.group, runtime.saver.group) if g is not None]
+    runtime.group = runtime.saver.group = None
+    if groups:
         import torch.distributed as dist
 
-        group, runtime.group = runtime.group, None
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
+        for group in groups:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)

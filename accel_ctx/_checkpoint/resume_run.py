@@ -40,8 +40,7 @@ from typing_extensions import override
 from .._core import state as _state
 from .._core.concern import Concern, ForwardCall
 from .._core.session import Session
-from .._warn import warn_user
-from ..errors import CheckpointError, DistributedError
+from ..errors import CheckpointError
 from . import saver
 from .preempt import Preempted, Signals
 from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
@@ -75,9 +74,8 @@ class ResumeRuntime(Concern):
         self.carried: dict[str, Any] = {}  # the checkpoint's entries not met again yet
         self.unrestored: list[tuple[str, torch.optim.Optimizer]] = []
         self.process_restored = True
-        self.start_step = self.checked_step = self.last_saved = 0
-        self.last_path: Path | None = None
-        self.last_time = time.monotonic()
+        self.start_step = self.checked_step = 0
+        self.saver = saver.Saver(folder, keep_last, self.signals)
         self.opened = False
         self.lock: Any = None  # rank 0's hold on the folder (guard.FolderLock)
         self.uninstall: Callable[[], None] | None = None  # the signal handlers' undo
@@ -95,8 +93,8 @@ class ResumeRuntime(Concern):
                 checkpoint.load(META, self.meta, {}, "the run's own record")
                 self._check_script()
         self.start_step = self.checked_step = self.session.step
-        self.last_saved = checkpoint.step if checkpoint is not None else -1
-        self.last_path = checkpoint.folder if checkpoint is not None else None
+        self.saver.last_saved = checkpoint.step if checkpoint is not None else -1
+        self.saver.last_path = checkpoint.folder if checkpoint is not None else None
         self.session.loader_hooks.append(self._loader_met)
         self.opened = True
 
@@ -134,20 +132,24 @@ class ResumeRuntime(Concern):
         if self._loader_met in self.session.loader_hooks:
             self.session.loader_hooks.remove(self._loader_met)
         if exc is not None:
+            with contextlib.suppress(Exception):  # the save in flight publishes, if it can
+                self.saver.wait()
             return
+        self.saver.wait()
         if self.checkpoint is not None and self.session.step == self.start_step:
             if not self.meta.finished:
                 self._say(f"resumable({self.folder}): no step was taken since checkpoint "
                           f"{self.checkpoint.folder.name} (step {self.session.step}).")
             return
-        if self.last_saved == self.session.step and self.last_path is not None:
+        last = self.saver.last_path
+        if self.saver.last_saved == self.session.step and last is not None:
             if self.rank == 0:  # that save is the final checkpoint
-                saver.mark_finished(self.folder, self.last_path)
+                saver.mark_finished(self.folder, last)
             return
         self.meta.finished = True  # the final checkpoint: a run started again says so
         token = _state._STACK.set(self.stack)  # the scope's own stack, its counters
         try:
-            self.save("at the end of the run")
+            self.save("at the end of the run", wait=True)
         finally:
             _state._STACK.reset(token)
 
@@ -278,7 +280,7 @@ class ResumeRuntime(Concern):
         self.checked_step = session.step
         due = bool(self.every_steps) and session.step % (self.every_steps or 1) == 0
         if self.every_minutes is not None:
-            due = due or time.monotonic() - self.last_time >= 60 * self.every_minutes
+            due = due or time.monotonic() - self.saver.last_time >= 60 * self.every_minutes
         signum = self.signals.requested
         if self.world > 1 and self.group is not None:
             flags = torch.tensor([signum, int(due)], dtype=torch.int64)
@@ -287,8 +289,9 @@ class ResumeRuntime(Concern):
         if signum:
             self.signals.boundary_reached = True
             name = signal.Signals(signum).name
-            path = self.save(f"on {name}") if self.last_saved != session.step else \
-                self.last_path
+            self.saver.wait()  # a save under way publishes first
+            path = self.save(f"on {name}", wait=True) \
+                if self.saver.last_saved != session.step else self.saver.last_path
             where = f"saved {path}" if path is not None else "the save failed (see above)"
             message = (f"resumable({self.folder}): {name} received: {where} at step "
                        f"{session.step}; exiting with code {128 + signum} for the launcher to "
@@ -318,22 +321,6 @@ class ResumeRuntime(Concern):
             out[name] = self.carried[name]
         return out
 
-    def save(self, why: str = "") -> Path | None:
-        """Save every object met or tracked; a failure warns and training goes on."""
-        from .save import save_state
-
-        self.signals.saving = True
-        try:
-            path = save_state(self.folder, keep_last=self.keep_last, **self.objects())
-        except DistributedError:
-            raise
-        except (CheckpointError, OSError) as exc:
-            warn_user(f"resumable({self.folder}): the checkpoint of step {self.session.step}"
-                      f"{' ' + why if why else ''} could not be saved ({exc}); training goes "
-                      "on, the previous checkpoints are kept, and the next save tries again.")
-            return None
-        finally:
-            self.signals.saving = False
-            self.last_time = time.monotonic()
-        self.last_saved, self.last_path = self.session.step, path
-        return path
+    def save(self, why: str = "", wait: bool = False) -> Path | None:
+        """Save every object met or tracked, in the background (``wait``: until published)."""
+        return self.saver.save(self.objects(), self.session.step, why, wait, self.group)
