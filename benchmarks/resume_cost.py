@@ -43,7 +43,11 @@ def _loop(steps: int, width: int, folder: Path | None, every: int | None,
 
     real = saver.Saver.save
     if sync:
-        saver.Saver.save = lambda self, *a, **k: real(self, *a, **{**k, "wait": True})  # type: ignore[method-assign]
+        def waited(self: saver.Saver, *args: object, **kwargs: object) -> object:
+            real(self, *args, **kwargs)  # type: ignore[arg-type]
+            return self.wait()
+
+        saver.Saver.save = waited  # type: ignore[method-assign,assignment]
     torch.manual_seed(0)
     if folder is not None:
         shutil.rmtree(folder, ignore_errors=True)

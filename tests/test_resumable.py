@@ -324,3 +324,25 @@ def test_periodic_saves_are_written_in_the_background_exactly_as_staged(tmp_path
     rest, got, _ = _train(tmp_path / "b", 9, every_steps=3)
     assert first == full[:7] and rest == full[6:]  # step 6's state, not a later one
     _same(got, want)
+
+
+def test_under_slurm_a_signal_saves_and_requeues_the_job(tmp_path, monkeypatch, capsys):
+    record = tmp_path / "scontrol.args"
+    stand_in = tmp_path / "scontrol"
+    stand_in.write_text(f'#!/bin/sh\necho "$@" > {record}\n')
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("ACCEL_CTX_SCONTROL", str(stand_in))
+    with pytest.raises(SystemExit) as exited, distributed(), resumable(tmp_path / "r") as run:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while run.step < 5:
+            if run.step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's --signal=USR1@90
+            model(torch.ones(2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert exited.value.code == 128 + signal.SIGUSR1
+    assert record.read_text().split() == ["requeue", "4242"]
+    assert "SLURM job 4242 requeued" in str(exited.value)
+    assert (tmp_path / "r" / "ckpt-000001-step3").is_dir()

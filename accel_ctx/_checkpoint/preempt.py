@@ -25,6 +25,7 @@ from typing import Any
 from typing_extensions import override
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+SCONTROL_ENV = "ACCEL_CTX_SCONTROL"  # the command run as `scontrol` (tests: a stand-in)
 GRACE_ENV = "ACCEL_CTX_PREEMPT_GRACE"
 DEFAULT_GRACE = 20.0
 
@@ -40,6 +41,26 @@ class Preempted(SystemExit):
     @override
     def __str__(self) -> str:
         return self.message
+
+
+def requeue() -> str:
+    """Under SLURM (``SLURM_JOB_ID`` set), ask SLURM to requeue the job: ``scontrol requeue
+    $SLURM_JOB_ID`` (``ACCEL_CTX_SCONTROL`` names another command). What happened, for the
+    save-on-signal line ("" outside SLURM)."""
+    import subprocess
+
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return ""
+    command = [os.environ.get(SCONTROL_ENV, "scontrol"), "requeue", job]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f" `{' '.join(command)}` failed ({exc})."
+    if done.returncode != 0:
+        return (f" `{' '.join(command)}` failed (exit {done.returncode}: "
+                f"{done.stderr.strip()[:200]}).")
+    return f" SLURM job {job} requeued."
 
 
 class Signals:

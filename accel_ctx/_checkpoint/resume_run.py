@@ -42,7 +42,7 @@ from .._core.concern import Concern, ForwardCall
 from .._core.session import Session
 from ..errors import CheckpointError
 from . import saver
-from .preempt import Preempted, Signals
+from .preempt import Preempted, Signals, requeue
 from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
 
 log = logging.getLogger("accel_ctx.checkpoint")
@@ -297,6 +297,7 @@ class ResumeRuntime(Concern):
                        f"{session.step}; exiting with code {128 + signum} for the launcher to "
                        "restart the run.")
             if self.rank == 0:
+                message += requeue()
                 print(f"accel_ctx {message}", file=sys.stderr, flush=True)
             raise Preempted(signum, message)
         if due:
