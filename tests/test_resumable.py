@@ -124,8 +124,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.slow
 def test_sigkill_at_random_moments_ends_bit_identical(tmp_path, reference, monkeypatch):
     monkeypatch.setenv("STEP_SLEEP", "0.02")
-    out, text, landed = _run(tmp_path, "killed", kills=5, seed=26)
-    assert landed >= 4, text[-4000:]
+    kills = int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5"))  # the full promise: 20
+    out, text, landed = _run(tmp_path, "killed", kills=kills, seed=26)
+    assert landed >= kills - 1, text[-4000:]
     for rank in range(2):
         want = {s: loss for s, loss, _ in _losses(reference, rank)}
         got = _losses(out, rank)
