@@ -22,6 +22,7 @@ from . import errors
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name loads on use
     from ._checkpoint import Resumed, load_state, save_model, save_state
+    from ._checkpoint.resumable import resumable
     from ._core.status import State, state
     from ._data.position import load_loader_state, loader_state, skip_first_batches
     from ._distributed.scope import DistributedOptions, distributed
@@ -79,6 +80,7 @@ __all__ = [
     "pad_across_processes",
     "progress",
     "reduce",
+    "resumable",
     "save_model",
     "save_state",
     "sharded",
@@ -104,6 +106,7 @@ _HOMES = {
     "load_state": "_checkpoint",
     "save_model": "_checkpoint",
     "save_state": "_checkpoint",
+    "resumable": "_checkpoint.resumable",
     "clip_grad_norm_": "_steps.clip",
     "clip_grad_value_": "_steps.clip",
     "gather": "_ranks.collectives",

@@ -149,8 +149,10 @@ def run_torchrun(
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
+    from ._launch.signals import forward_sigusr1
+
     try:
-        with _quiet_signal_shutdown():
+        with _quiet_signal_shutdown(), forward_sigusr1():
             record(run)(options)  # what torchrun's main() does once it has parsed its options
     except SignalException as exc:
         return interrupted(int(exc.sigval))

@@ -35,6 +35,7 @@ from .._core import state as _state
 from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
+from .state import Carried
 
 
 # ---- the ranks ---------------------------------------------------------------------------------
@@ -51,18 +52,20 @@ def rank_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if collective() else (0, 1)
 
 
-def gather(value: Any) -> list[Any]:
+def gather(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (``group``: a group of the job's ranks, None: the default)."""
     if not collective():
         return [value]
     out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 
-def agree(error: BaseException | None, what: str, value: Any = None) -> list[Any]:
+def agree(error: BaseException | None, what: str, value: Any = None,
+          group: Any = None) -> list[Any]:
     """Every rank learns whether every rank succeeded (instead of waiting in a barrier), and
     gets every rank's ``value`` in the same exchange."""
-    gathered = gather((None if error is None else repr(error), value))
+    gathered = gather((None if error is None else repr(error), value), group)
     for rank, (message, _) in enumerate(gathered):
         if message is not None:
             if error is not None:
@@ -133,7 +136,12 @@ def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     state_dict: dict[str, Any] = {}
     forms: dict[str, Any] = {}
     for name, obj in stateful.items():
-        if isinstance(obj, nn.Module):
+        if isinstance(obj, Carried):  # as the checkpoint resumed from had it
+            if obj.optimizer:
+                forms[name] = obj.form
+            if obj.state is not None:
+                state_dict[name] = obj.state
+        elif isinstance(obj, nn.Module):
             state_dict[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
             owners = _owners(obj, stateful)
@@ -158,6 +166,8 @@ def optimizer_params(stateful: dict[str, Any]) -> dict[str, Any]:
     """For each optimizer over saved models: their names and its parameters' names in them."""
     out = {}
     for name, obj in stateful.items():
+        if isinstance(obj, Carried) and obj.params is not None:
+            out[name] = obj.params
         if isinstance(obj, torch.optim.Optimizer) and (owners := _owners(obj, stateful)):
             module = _owner_module(owners, stateful, name)
             out[name] = {"owners": owners, "params": _param_names(obj, module)}
@@ -198,11 +208,14 @@ def check_optimizers(folder: Path, stateful: dict[str, Any], saved: dict[str, An
 
 
 def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
-         plain: dict[str, Any], params: dict[str, Any]) -> None:
-    """Load the objects in place: DCP fills templates made from them, then they take them."""
-    check_optimizers(folder, stateful, params)
+         plain: dict[str, Any], params: dict[str, Any], only: set[str] | None = None) -> None:
+    """Load the objects in place: DCP fills templates made from them, then they take them.
+
+    ``only``: the names to load (the others in ``stateful`` name an optimizer's models)."""
+    chosen = {n: o for n, o in stateful.items() if only is None or n in only}
+    check_optimizers(folder, stateful, {n: p for n, p in params.items() if n in chosen})
     templates: dict[str, Any] = {}
-    for name, obj in stateful.items():
+    for name, obj in chosen.items():
         if isinstance(obj, nn.Module):
             templates[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer) and forms.get(name) is not None:
@@ -213,11 +226,11 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
         elif not isinstance(obj, torch.optim.Optimizer):
             templates[name] = obj.state_dict()
     if templates:
-        _check_keys(folder, templates, stateful)
+        _check_keys(folder, templates, chosen)
         with checkpoint_errors(folder, "load"):
             dcp_load(templates, storage_reader=files.SafeReader(folder),
                      planner=files.SafeLoadPlanner(), no_dist=not collective())
-    for name, obj in stateful.items():
+    for name, obj in chosen.items():
         if isinstance(obj, nn.Module):
             set_model_state_dict(obj, templates[name])
         elif isinstance(obj, torch.optim.Optimizer) and name in templates:
@@ -233,6 +246,22 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
                 ) from None
         else:
             obj.load_state_dict(templates[name])
+
+
+def read_entry(folder: Path, name: str) -> Any:
+    """The entry ``name`` of a checkpoint as saved, with no object to load it into (tensors
+    whole on this rank, whatever the world size that saved them)."""
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = files.SafeReader(folder)
+    keys = {k for k in reader.read_metadata().state_dict_metadata
+            if k == name or k.startswith(name + ".")}
+    out: dict[str, Any] = {}
+    with checkpoint_errors(folder, "load"):
+        _load_state_dict(out, storage_reader=files.SafeReader(folder), no_dist=True,
+                         planner=_EmptyStateDictLoadPlanner(keys=keys))  # type: ignore[no-untyped-call]
+    return out.get(name)
 
 
 @contextlib.contextmanager

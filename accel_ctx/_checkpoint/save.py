@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .._core import state as _state
@@ -66,12 +67,77 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
             f"save_state(keep_last={keep_last!r}): give how many checkpoints to keep (>= 1), "
             "or None to keep them all."
         )
+    staged = stage(Path(directory), keep_last, objects, None)
+    return staged.write()
+
+
+class Staged:
+    """A save whose state is copied (taken at one step, every rank together): ``write()``
+    writes and publishes it, on the calling thread, its collectives on ``group`` (a thread
+    of its own writes while training goes on: a group of its own too)."""
+
+    def __init__(self, root: Path, tmp: Path, lock: Any, where: tuple[int, int, int],
+                 keep_last: int | None, state_dict: dict[str, Any], mine: dict[str, Any],
+                 shared: dict[str, Any], group: Any) -> None:
+        self.root, self.tmp, self.lock, self.where = root, tmp, lock, where
+        self.keep_last, self.state_dict, self.mine, self.shared = keep_last, state_dict, mine, shared
+        self.group = group
+
+    @property
+    def step(self) -> int:
+        return self.where[2]
+
+    def write(self) -> Path:
+        """Every rank writes its part into the temporary folder; rank 0 publishes it."""
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        from . import dcp as objs
+        from . import files, guard
+        from .sums import ChecksumWriter
+
+        rank = self.where[0]
+        tmp, root = self.tmp, self.root
+        try:
+            writer = ChecksumWriter(tmp)
+            with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
+                dcp_save(self.state_dict, storage_writer=writer, process_group=self.group,
+                         no_dist=not objs.collective())
+            written = writer.written(tmp)
+            error: BaseException | None = None
+            mine = files.rank_file(rank)
+            try:
+                written[mine] = files.save_torch(tmp / mine, self.mine)
+                if rank == 0:
+                    written[files.SHARED] = files.save_torch(tmp / files.SHARED, self.shared)
+            except Exception as exc:
+                error = guard.explain(exc, root, str(tmp))
+            everyone = objs.agree(error, "write its part of the checkpoint", written,
+                                  self.group)
+            final = tmp.with_name(tmp.name.removeprefix(files.TMP))
+            if rank == 0:
+                try:
+                    sums = {name: sum_ for part in everyone for name, sum_ in part.items()}
+                    final = files.publish(tmp, self.shared["info"], self.keep_last, sums)
+                except Exception as exc:  # reported to every rank by agree()
+                    error = guard.explain(exc, root, str(tmp))
+            objs.agree(error, "publish the checkpoint", None, self.group)
+        except BaseException:
+            if rank == 0:
+                files.discard(tmp)  # every rank has stopped writing: agree() or DCP said so
+            raise
+        finally:
+            self.lock.release()
+        return final
+
+
+def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any) -> Staged:
+    """Take the save's copy of the state now, every rank together (collectives on ``group``);
+    the folder it goes to is created and locked. Nothing is written yet."""
     from . import dcp as objs
     from . import files, guard
 
     stateful, named_loaders = objs.split(objects, "save_state", ("keep_last",))
     guard.arrive("save_state()")
-    root = Path(directory)
     stack = _state.current()
     for concern in stack.concerns if stack is not None else ():
         concern.before_checkpoint()  # e.g. fp16's pending scale update
@@ -89,72 +155,59 @@ def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
         except Exception as exc:  # reported to every rank by agree(), not left to hang
             error = guard.explain(exc, root)
     try:
-        gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders]))
-        objs.agree(error, "create the checkpoint folder")
+        gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders]),
+                               group)
+        objs.agree(error, "create the checkpoint folder", None, group)
         tmp = Path(gathered[0][0])
-        final = _write(tmp, root, (rank, world, step), keep_last, stateful, loaders, gathered,
-                       sorted(objects), stack)
-    except BaseException:
-        if rank == 0:
-            files.discard(tmp)  # every rank has stopped writing: agree() or DCP said so
-        raise
-    finally:
-        lock.release()
-    return final
-
-
-def _write(tmp: Path, root: Path, where: tuple[int, int, int], keep_last: int | None,
-           stateful: dict[str, Any], loaders: list[tuple[str | None, Any]],
-           gathered: list[Any], names: list[str], stack: _state.Stack | None) -> Path:
-    """Every rank writes its part into ``tmp``; rank 0 publishes it. ``where``: rank, world
-    size and step."""
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    from . import dcp as objs
-    from . import files, guard
-    from .sums import ChecksumWriter
-
-    rank, world, step = where
-    counters = owned.capture_counters(stack, stateful)
-    writer = ChecksumWriter(tmp)
-    with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
-        state_dict, forms = objs.collect(stateful)
-        dcp_save(state_dict, storage_writer=writer, no_dist=not objs.collective())
-    written = writer.written(tmp)
-    positions = [_position.position(loader, name, [g[1][i] for g in gathered])
-                 for i, (name, loader) in enumerate(loaders)]
-    pending = owned.still_pending(stack)
-    positions += [entry for entry, _ in pending]
-    epoch = _position.next_epoch(positions[0]) if positions else 0
-    info = {"step": step, "epoch": epoch, "world_size": world, "objects": names}
-    error: BaseException | None = None
-    mine = files.rank_file(rank)
-    try:
-        written[mine] = files.save_torch(tmp / mine, {
-            "rng": rng.capture(),
-            "generators": [*(_position.generator_state(loader) for _, loader in loaders),
-                           *(generator for _, generator in pending)],
-            "grads": _partial_grads(stack, stateful),
-        })
+        counters = owned.capture_counters(stack, stateful)
+        with objs.as_stock_torch(), objs.checkpoint_errors(tmp, "write", root):
+            state_dict, forms = objs.collect(stateful)
+        positions = [_position.position(loader, name, [g[1][i] for g in gathered])
+                     for i, (name, loader) in enumerate(loaders)]
+        pending = owned.still_pending(stack)
+        positions += [entry for entry, _ in pending]
+        epoch = _position.next_epoch(positions[0]) if positions else 0
+        info = {"step": step, "epoch": epoch, "world_size": world, "objects": sorted(objects)}
+        mine = {"rng": rng.capture(),
+                "generators": [*(_position.generator_state(loader) for _, loader in loaders),
+                               *(generator for _, generator in pending)],
+                "grads": _partial_grads(stack, stateful)}
+        shared: dict[str, Any] = {}
         if rank == 0:
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
-            written[files.SHARED] = files.save_torch(tmp / files.SHARED, {
-                "counters": counters, "loaders": positions, "world_size": world,
-                "optimizers": forms, "plain": plain, "info": info,
-                "optimizer_params": objs.optimizer_params(stateful),
-            })
-    except Exception as exc:
-        error = guard.explain(exc, root, str(tmp))
-    everyone = objs.agree(error, "write its part of the checkpoint", written)
-    final = tmp.with_name(tmp.name.removeprefix(files.TMP))
-    if rank == 0:
-        try:
-            sums = {name: sum_ for part in everyone for name, sum_ in part.items()}
-            final = files.publish(tmp, info, keep_last, sums)
-        except Exception as exc:  # reported to every rank by agree(), not left to hang
-            error = guard.explain(exc, root, str(tmp))
-    objs.agree(error, "publish the checkpoint")
-    return final
+            shared = {"counters": counters, "loaders": positions, "world_size": world,
+                      "optimizers": forms, "plain": plain, "info": info,
+                      "optimizer_params": objs.optimizer_params(stateful)}
+        state_dict, mine, shared = copy_tree((state_dict, mine, shared))
+    except BaseException:
+        if rank == 0:
+            files.discard(tmp)
+        lock.release()
+        raise
+    return Staged(root, tmp, lock, (rank, world, step), keep_last, state_dict, mine, shared,
+                  group)
+
+
+def copy_tree(tree: Any) -> Any:
+    """A copy of ``tree`` whose tensors are copies on the CPU (sharded tensors stay sharded:
+    their local shard is copied) and whose dicts, lists and tuples are new, so training may
+    go on while it is written. Other values are kept as they are (never copied by pickling:
+    that could run code)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, DTensor):
+        local = tree.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(local, tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: copy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [copy_tree(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(copy_tree(v) for v in tree)
+    return tree  # numbers, strings (immutable); anything else is the object's own to keep
 
 
 def _partial_grads(stack: _state.Stack | None, stateful: dict[str, Any]) -> dict[str, Any]:

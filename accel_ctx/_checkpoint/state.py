@@ -21,6 +21,31 @@ from .._data import records as _loader_records
 from .._data.position import apply_position
 
 
+# ---- entries carried over -----------------------------------------------------------------------
+class Carried:
+    """An entry of the checkpoint a run resumed from whose object the run has not met again
+    (a model called only for evaluation, an optimizer stepped every few steps): saved again as
+    it was, so a second restart still finds it. ``state``: its DCP entry (None: an optimizer
+    kept "plain"); ``form``: an optimizer's owner models (None: plain), ``...`` for others;
+    ``plain``: a plain optimizer's ``state_dict()``; ``params``: an optimizer's parameter names;
+    ``counters``: its optimizer or scheduler counters."""
+
+    def __init__(self, state: Any, form: Any, plain: Any, params: Any,
+                 counters: dict[str, Any]) -> None:
+        self.state, self.form, self.plain, self.params = state, form, plain, params
+        self.counters = counters
+
+    @property
+    def optimizer(self) -> bool:
+        return self.form is not ...
+
+    def state_dict(self) -> Any:
+        return self.plain if self.optimizer and self.form is None else self.state
+
+    def load_state_dict(self, state: Any) -> None:  # pragma: no cover - saved, never loaded
+        raise NotImplementedError
+
+
 # ---- counters ------------------------------------------------------------------------------------
 def capture_counters(stack: _state.Stack | None, named: dict[str, Any]) -> dict[str, Any]:
     """Session, accumulation and fp16 state of the open scopes, plus named objects' records."""
@@ -37,6 +62,10 @@ def capture_counters(stack: _state.Stack | None, named: dict[str, Any]) -> dict[
         "schedulers": {n: session.schedulers[o] for n, o in named.items()
                        if _weak(o) and o in session.schedulers},
     }
+    for name, obj in named.items():
+        if isinstance(obj, Carried):
+            for kind, value in obj.counters.items():
+                out[kind][name] = value
     # each open concern's own state (accumulation counters, the fp16 loss scale, ...)
     out["concerns"] = {c.slot: state for c in stack.concerns if (state := c.state_dict())}
     return out

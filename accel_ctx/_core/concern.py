@@ -100,7 +100,8 @@ class Concern:
         "before_forward", "forward_context", "after_forward", "forward_failed", "forward_done",
         "before_backward", "backward_context", "backward_failed", "after_backward",
         "allows_step", "skips_step", "before_step", "after_step", "first_optimizer",
-        "allows_zero_grad", "defers_clipping", "grads_for_clipping",
+        "allows_zero_grad", "defers_clipping", "grads_for_clipping", "before_batch",
+        "before_schedule",
     )
 
     def overrides(self, hook: str) -> bool:
@@ -165,6 +166,14 @@ class Concern:
     def allows_zero_grad(self) -> bool:
         """False: the gradients must stay (mid accumulation group)."""
         return True
+
+    # ---- DataLoader batches and LR schedulers ----------------------------------------------------
+    def before_batch(self, session: Session) -> None:
+        """A DataLoader iterated in the scope is about to fetch its next batch (or find its end):
+        a step boundary when a step was taken since the last batch (resumable()'s saves)."""
+
+    def before_schedule(self, scheduler: Any, session: Session) -> None:
+        """``scheduler.step()`` is called, before it decides whether to step."""
 
     # ---- gradient clipping -----------------------------------------------------------------------
     def defers_clipping(self) -> bool:
@@ -235,6 +244,8 @@ class Hooks:
     allows_zero_grad: tuple[Callable[[], bool], ...]
     defers_clipping: tuple[Callable[[], bool], ...]
     grads_for_clipping: tuple[Callable[[Session, list[torch.Tensor]], Grads | None], ...]
+    before_batch: tuple[Callable[[Session], None], ...]
+    before_schedule: tuple[Callable[[Any, Session], None], ...]
 
     def __init__(self, concerns: tuple[Concern, ...]) -> None:
         for hook in Concern.HOOKS:

@@ -269,7 +269,11 @@ def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
 
 def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stack = _state.current()
-    if stack is not None and schedule_must_wait(stack.session, instance):
+    if stack is None:
+        return wrapped(*args, **kwargs)
+    for before in stack.hooks.before_schedule:  # e.g. resumable() restores it first
+        before(instance, stack.session)
+    if schedule_must_wait(stack.session, instance):
         return None
     return wrapped(*args, **kwargs)
 

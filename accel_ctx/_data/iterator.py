@@ -45,6 +45,7 @@ class ScopedIterator:
         self._sharded = _ShardedIndices(it, shard) if shard is not None else None
         self._it: Iterator[Any] = self._sharded if self._sharded is not None else it
         self._session = stack.session
+        self._before_batch = stack.hooks.before_batch
         self._record = record
         self._pass = loader_pass
         self._device = device if device is not None and device.type != "cpu" else None
@@ -76,6 +77,8 @@ class ScopedIterator:
     def __next__(self) -> Any:
         if self._exhausted:
             raise StopIteration
+        for before in self._before_batch:  # a step boundary: resumable() may save here
+            before(self._session)
         if self._pending is not _EMPTY:
             batch, self._pending = self._pending, _EMPTY
         else:

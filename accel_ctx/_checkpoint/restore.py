@@ -1,0 +1,182 @@
+"""The checkpoint a ``resumable()`` run starts from, handing each object its state as it is met.
+
+``load_state`` loads everything at once, before the loop; a resumable run meets its objects one
+by one (a model at its first forward, an optimizer at its first step, ...), so the checkpoint
+is opened once, at the scope's entry, and each object is loaded by its key when it comes (one
+DCP load of that object alone, on every rank together). The same pieces as ``load_state``:
+``find`` picks the newest intact checkpoint, ``dcp`` loads, ``state`` and ``rng`` restore what
+accel_ctx owns, loader positions wait for their loader's next ``iter()``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._core import state as _state
+from ..errors import CheckpointError
+from . import dcp as objs
+from . import files, find, rng
+from . import load as _load
+
+META = "resumable"
+
+
+class Meta:
+    """The run's own entry: the script that wrote it and the plain values tracked."""
+
+    def __init__(self, script: str) -> None:
+        self.script = script
+        self.values: dict[str, Any] = {}
+        self.next_epoch = 0  # of run.epochs(): the one under way, or the next once it ended
+        self.finished = False  # saved as the scope ended normally
+        self.loaded: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"script": self.script, "values": json.dumps(self.values),
+                "epoch": self.next_epoch, "finished": int(self.finished)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loaded = dict(state)
+
+
+def script_name() -> str:
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path:
+        return Path(path).name
+    spec = getattr(main, "__spec__", None)
+    return str(getattr(spec, "name", None) or "<interactive>")
+
+
+class Checkpoint:
+    """One checkpoint folder, opened for a resumable run on ``rank`` of ``world``."""
+
+    def __init__(self, folder: Path, rank: int, world: int) -> None:
+        self.folder = folder
+        self.shared: dict[str, Any] = files.load_torch(folder / files.SHARED)
+        self.info: dict[str, Any] = self.shared.get("info") or find.read_manifest(folder)
+        self.saved_world = int(self.shared["world_size"])
+        self.same_world = self.saved_world == world
+        self.mine: dict[str, Any] | None = (
+            files.load_torch(folder / files.rank_file(rank)) if rank < self.saved_world else None)
+        self.names: set[str] = set(self.info["objects"])
+        self.counters: dict[str, Any] = self.shared["counters"]
+
+    @property
+    def step(self) -> int:
+        return int(self.info["step"])
+
+    @property
+    def epoch(self) -> int:
+        return int(self.info["epoch"])
+
+    def restore_session(self, stack: _state.Stack) -> None:
+        """The step counters: ``run.step`` is right from the scope's entry on."""
+        session = stack.session
+        if self.counters:
+            session.forget_unread()
+            (session.step, session.skipped_steps, session.backward_calls,
+             session.last_counted_group) = self.counters["session"]
+
+    def restore_loaders(self, stack: _state.Stack, named: dict[str, Any]) -> None:
+        """Positions wait for their loader's next ``iter()`` (by name, else by order)."""
+        generators = (self.mine or files.load_torch(self.folder / files.rank_file(0)))["generators"]
+        _load._resume_loaders(stack, self.shared["loaders"], generators, named)
+
+    def restore_process(self, stack: _state.Stack) -> None:
+        """RNG streams and the open concerns' state (loss scale, accumulation counters)."""
+        saved = self.counters.get("concerns", {}) if self.counters else {}
+        for concern in stack.concerns:
+            if concern.slot in saved:
+                concern.load_state_dict(saved[concern.slot])
+        if self.mine is not None:
+            rng.restore(self.mine["rng"])
+
+    def optimizer_counters(self, name: str) -> tuple[int, int, int] | None:
+        found = self.counters.get("optimizers", {}).get(name) if self.counters else None
+        return tuple(found) if found is not None else None
+
+    def scheduler_counters(self, name: str) -> tuple[int, int] | None:
+        found = self.counters.get("schedulers", {}).get(name) if self.counters else None
+        return tuple(found) if found is not None else None
+
+    def owners(self, name: str) -> list[str]:
+        """The models an optimizer's saved state is keyed by."""
+        form = self.shared["optimizers"].get(name)
+        return list(form) if form else []
+
+    def carry(self, name: str) -> Any:
+        """The entry ``name`` as saved, to be saved again (``state.Carried``)."""
+        from .state import Carried
+
+        forms = self.shared["optimizers"]
+        counters = {kind: self.counters[kind][name] for kind in ("optimizers", "schedulers")
+                    if self.counters and name in self.counters.get(kind, {})}
+        optimizer = name in forms
+        form = forms[name] if optimizer else ...
+        state = objs.read_entry(self.folder, name) if not optimizer or form else None
+        return Carried(state, form, self.shared["plain"].get(name),
+                       self.shared.get("optimizer_params", {}).get(name), counters)
+
+    def load(self, name: str, obj: Any, others: dict[str, Any], what: str) -> None:
+        """Load ``obj``, saved as ``name``; ``others``: its owner models (optimizers).
+        ``what`` describes the object for an error ("the first model met (Net)")."""
+        stateful = {**others, name: obj}
+        grads = _stash_grads(obj)  # DCP makes a missing optimizer state by a zero step
+        try:
+            with objs.as_stock_torch():
+                objs.load(self.folder, stateful, self.shared["optimizers"], self.shared["plain"],
+                          self.shared.get("optimizer_params", {}), only={name})
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"resumable({self.folder.parent}): {what} does not match the checkpoint's "
+                f"{name!r}: {exc} The same script finds its objects again in the same order "
+                "(models by their first forward, optimizers by their first step, schedulers by "
+                "their first step(), loaders by their first iteration, the rest by name in "
+                "run.track()). If the script changed, or the folder holds another run, give "
+                "this run its own folder (or move the old checkpoints away)."
+            ) from None
+        finally:
+            for param, grad in grads:
+                param.grad = grad
+
+
+def _stash_grads(obj: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    if isinstance(obj, torch.optim.Optimizer):
+        params = [p for group in obj.param_groups for p in group["params"]]
+    elif isinstance(obj, nn.Module):
+        params = list(obj.parameters())
+    else:
+        return []
+    kept = [(p, p.grad) for p in params]
+    for p in params:
+        p.grad = None
+    return kept
+
+
+def is_loader(obj: Any) -> bool:
+    from torch.utils.data import DataLoader
+
+    return isinstance(obj, DataLoader)
+
+
+def ordinal(key: str) -> str:
+    digits = key.lstrip("abcdefghijklmnopqrstuvwxyz")
+    n = int(digits) + 1 if digits else 1
+    suffix = {1: "st", 2: "nd", 3: "rd"}.get(n if n < 20 else n % 10, "th")
+    return f"{n}{suffix}"
+
+
+def new_group(world: int) -> Any:
+    """A gloo group of the job's ranks for the boundary's agreement (None: one process)."""
+    if world <= 1 or not objs.collective():
+        return None
+    return dist.new_group(backend="gloo")
+

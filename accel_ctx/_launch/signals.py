@@ -1,0 +1,53 @@
+"""Signals the launcher passes on to its workers.
+
+torchrun forwards SIGTERM, SIGINT, SIGHUP and SIGQUIT to the workers it starts (each in a
+session of its own); SIGUSR1, which SLURM's ``--signal=USR1@90`` and spot-instance notices send
+ahead of a preemption, would stop at the launcher. Forwarded, it reaches ``resumable()`` in
+each worker, which saves at its next step boundary and exits to be restarted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def forward_sigusr1() -> Iterator[None]:
+    """SIGUSR1 to the launcher (SLURM's ``--signal=USR1@90``, a spot notice) goes to its
+    workers, which torchrun starts in sessions of their own and forwards only SIGTERM, SIGINT,
+    SIGHUP and SIGQUIT to: under ``resumable()`` they save and exit to be restarted."""
+    if not hasattr(signal, "SIGUSR1"):  # pragma: no cover - Windows
+        yield
+        return
+
+    def forward(signum: int, frame: Any) -> None:
+        for pid in _children(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+
+    previous = signal.signal(signal.SIGUSR1, forward)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def _children(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (Linux: read from /proc)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == parent:
+                found.append(int(entry.name))
+    return found

@@ -1,0 +1,349 @@
+"""resumable(): a run killed at any moment carries on by itself and ends as if nothing happened.
+
+The kill test is the promise: a 2-rank run (MLP with dropout, AdamW, OneCycleLR, a shuffling
+DataLoader sharded by accel_ctx) under `accel-ctx launch --max-restarts`, its ranks SIGKILLed at
+seeded random moments (mid-step, mid-save, right after a restart: restore and rendezvous),
+ends with weights, optimizer state and every step's loss bit-identical to a run never
+interrupted. SIGTERM instead makes every rank save at the next step boundary: no step is run
+twice. The single-process tests cover the scope's own rules in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from accel_ctx import distributed, errors, resumable
+
+from . import _launcher
+from ._timeouts import scaled
+
+SCRIPT = str(_launcher.SCRIPTS / "resumable_train.py")
+STEPS = 36  # 3 epochs of 96 samples, batch 4 per rank, 2 ranks
+
+
+@pytest.fixture(autouse=True)
+def _stop_launchers():
+    yield
+    _launcher.stop_all()
+
+
+def _losses(out: Path, rank: int) -> list[tuple[int, str, str]]:
+    path = out / f"loss.rank{rank}"
+    if not path.exists():
+        return []
+    return [(int(s), loss, attempt) for s, loss, attempt in
+            (line.split() for line in path.read_text().splitlines() if line.strip())]
+
+
+def _run(tmp_path: Path, name: str, kills: int = 0, how: int = signal.SIGKILL,
+         seed: int = 0, launcher_last: bool = False) -> tuple[Path, str, int]:
+    """Launch the script (killing ``kills`` times); (its output folder, log, kills landed).
+    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it."""
+    ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
+    out.mkdir()
+    rng = random.Random(seed)
+    moments = sorted(rng.sample(range(2, STEPS - 4), kills))
+    proc, log = _launcher.start(["-n", "2", "--max-restarts", str(kills + 3), SCRIPT, str(ckpt),
+                                 str(out)], tmp_path, f"{name}.log")
+    landed, killed = 0, set()
+    deadline = time.monotonic() + scaled(240)
+    for at in moments:
+        early = how == signal.SIGKILL and rng.random() < 0.3  # restore, rendezvous
+        while proc.poll() is None and time.monotonic() < deadline:
+            pids = [(out / f"pid.rank{r}").read_text() if (out / f"pid.rank{r}").exists()
+                    else "" for r in range(2)]
+            fresh = all(p and p not in killed for p in pids)
+            lines = _losses(out, 0)
+            current = [s for s, _, a in lines if a == str(landed)]
+            if fresh and (early or (current and current[-1] >= at)):
+                break
+            time.sleep(0.005)
+        if proc.poll() is not None:
+            break
+        time.sleep(rng.uniform(0, 1.0) if early else rng.uniform(0, 0.05))
+        rank = rng.randrange(2)
+        pid = int((out / f"pid.rank{rank}").read_text())
+        killed.update((out / f"pid.rank{r}").read_text() for r in range(2))
+        sig = how
+        if launcher_last and landed == kills - 1:
+            pid, sig = proc.pid, signal.SIGUSR1
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            continue
+        landed += 1
+    code = _launcher.finish(proc, 240)
+    text = log.read_text()
+    assert code == 0, text[-6000:]
+    return out, text, landed
+
+
+def _final(out: Path, rank: int) -> dict[str, Any]:
+    return torch.load(out / f"final.rank{rank}.pt", weights_only=True)
+
+
+def _same(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    else:
+        assert a == b
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The run never interrupted; started again once finished, it takes no step."""
+    tmp = tmp_path_factory.mktemp("reference")
+    out, _, _ = _run(tmp, "ref")
+    before = (out / "loss.rank0").read_text()
+    assert [s for s, _, _ in _losses(out, 0)] == list(range(1, STEPS + 1))
+    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out)], tmp,
+                                "again.log")
+    assert _launcher.finish(proc, 120) == 0, log.read_text()[-4000:]
+    assert (out / "loss.rank0").read_text() == before  # no step ran
+    assert "nothing left to run" in log.read_text()
+    assert len(list((tmp / "ref-ckpt").glob("ckpt-*"))) == 2  # keep_last
+    return out
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_ends_bit_identical(tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("STEP_SLEEP", "0.02")
+    kills = int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5"))  # the full promise: 20
+    out, text, landed = _run(tmp_path, "killed", kills=kills, seed=26)
+    assert landed >= kills - 1, text[-4000:]
+    for rank in range(2):
+        want = {s: loss for s, loss, _ in _losses(reference, rank)}
+        got = _losses(out, rank)
+        assert {s for s, _, _ in got} == set(want)
+        for step, loss, attempt in got:  # a step run again after a kill runs the same
+            assert loss == want[step], (rank, step, attempt, got)
+        _same(_final(out, rank), _final(reference, rank))
+    attempts = {a for _, _, a in _losses(out, 0)}
+    assert len(attempts) >= 3, attempts  # the run went on after several kills
+
+
+@pytest.mark.slow
+def test_sigterm_or_sigusr1_save_at_the_boundary_and_lose_no_step(tmp_path, reference, monkeypatch):
+    monkeypatch.setenv("STEP_SLEEP", "0.02")
+    out, text, landed = _run(tmp_path, "termed", kills=2, how=signal.SIGTERM, seed=7,
+                             launcher_last=True)
+    assert landed == 2, text[-4000:]
+    assert "SIGTERM received: saved" in text
+    assert "SIGUSR1 received: saved" in text  # forwarded by the launcher
+    for rank in range(2):
+        _same(_final(out, rank), _final(reference, rank))
+        steps = [s for s, _, _ in _losses(out, rank)]
+        assert steps == list(range(1, STEPS + 1)), steps  # each step exactly once
+        want = [loss for _, loss, _ in _losses(reference, rank)]
+        assert [loss for _, loss, _ in _losses(out, rank)] == want
+    assert len({a for _, _, a in _losses(out, 0)}) == 3
+
+
+# ---- one process -------------------------------------------------------------------------------
+class _Net(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, 2)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+def _train(folder: Path, steps: int, stop_at: int | None = None, width: int = 4,
+           **kwargs: Any) -> tuple[list[float], dict[str, Any], Any]:
+    """A step-based loop; ``stop_at``: raise there (the process "dies" without a final save)."""
+    losses: list[float] = []
+    try:
+        with distributed(), resumable(folder, **kwargs) as run:
+            torch.manual_seed(0)
+            model = _Net(width)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+            run.track(best=1e9)
+            while run.step < steps:
+                if stop_at is not None and run.step == stop_at:
+                    raise KeyboardInterrupt
+                loss = model(torch.randn(8, width)).pow(2).mean()
+                loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                run.values["best"] = min(run.values["best"], loss.item())
+                losses.append(loss.item())
+            values = dict(run.values)
+            resumed = run.resumed
+    except KeyboardInterrupt:
+        return losses, {}, None
+    return losses, {"model": model.state_dict(), "opt": opt.state_dict()["state"],
+                    "lr": opt.param_groups[0]["lr"], "values": values}, resumed
+
+
+def test_a_step_loop_resumes_bit_identical_in_one_process(tmp_path):
+    full, want, _ = _train(tmp_path / "a", 9)
+    first, _, _ = _train(tmp_path / "b", 9, stop_at=7, every_steps=3)  # saved at 3 and 6
+    rest, got, resumed = _train(tmp_path / "b", 9, every_steps=3)
+    assert resumed and first == full[:7] and rest == full[6:]
+    _same(got, want)
+
+
+def test_refuses_objects_that_do_not_match_and_another_script(tmp_path):
+    _train(tmp_path, 2, every_steps=1)
+    with pytest.raises(errors.CheckpointError, match=r"model called 1st.*model0"):
+        _train(tmp_path, 4, width=5, every_steps=1)
+    meta = tmp_path.parent / "other"
+    _train(meta, 2, every_steps=1)
+    from accel_ctx._checkpoint import resume_run
+
+    real = resume_run.script_name
+    resume_run.script_name = lambda: "other_script.py"
+    try:
+        with pytest.raises(errors.CheckpointError, match="written by the script"):
+            _train(meta, 4, every_steps=1)
+    finally:
+        resume_run.script_name = real
+
+
+def test_misuse_is_refused_with_the_cause(tmp_path):
+    for bad in ({"every_steps": 0}, {"every_minutes": -1}, {"keep_last": 0}):
+        with pytest.raises(errors.ConfigurationError):
+            resumable(tmp_path, **bad)
+    with distributed(), resumable(tmp_path / "one"), pytest.raises(  # two runs, one folder
+            errors.CheckpointError, match="another run is using"), resumable(tmp_path / "one"):
+        pass
+    locked = tmp_path / "ro"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if not os.access(locked, os.W_OK):  # root writes anyway
+            with pytest.raises(errors.CheckpointError, match="cannot write"):
+                _train(locked, 1)
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_failed_save_warns_and_training_goes_on(tmp_path, monkeypatch):
+    from accel_ctx._checkpoint import files
+
+    real = files.begin
+    calls = []
+
+    def full_disk(root: Path, step: int) -> Path:
+        calls.append(step)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(root, step)
+
+    monkeypatch.setattr(files, "begin", full_disk)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses, _, _ = _train(tmp_path, 4, every_steps=2)
+    assert len(losses) == 4 and calls == [2, 4]  # step 4's save is the final checkpoint
+    assert any("could not be saved" in str(w.message) and "no space left" in str(w.message)
+               for w in caught)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+        "ckpt-000001-step4"]
+
+
+def test_keeps_the_last_checkpoints_and_the_tracked_values(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="accel_ctx.checkpoint"):
+        _, first, _ = _train(tmp_path, 6, every_steps=1, keep_last=2)
+        # the final checkpoint is step 6's periodic save, not a second save of that step
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+            "ckpt-000005-step5", "ckpt-000006-step6"]
+        losses, again, resumed = _train(tmp_path, 6, every_steps=1, keep_last=2)
+    assert resumed and losses == []
+    assert again["values"] == first["values"] and json.dumps(first["values"])
+    assert "nothing left to run" in caplog.text
+
+
+def _gan(folder: Path, steps: int, stop_at: int | None = None) -> dict[str, Any] | None:
+    """A second model and optimizer met only every 4th step (a critic, an evaluation model)."""
+    try:
+        with distributed(), resumable(folder, every_steps=1) as run:
+            torch.manual_seed(0)
+            model, critic = nn.Linear(4, 2), nn.Linear(4, 1)
+            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            critic_opt = torch.optim.SGD(critic.parameters(), lr=0.1, momentum=0.9)
+            while run.step < steps:
+                if run.step == stop_at:
+                    raise KeyboardInterrupt
+                x = torch.randn(8, 4)
+                model(x).pow(2).mean().backward()
+                opt.step()  # first: keys follow the order objects are first met
+                opt.zero_grad()
+                if run.step % 4 == 1:
+                    critic(x).pow(2).mean().backward()
+                    critic_opt.step()
+                    critic_opt.zero_grad()
+    except KeyboardInterrupt:
+        return None
+    return {"model": model.state_dict(), "critic": critic.state_dict(),
+            "critic_opt": critic_opt.state_dict()["state"]}
+
+
+def test_objects_not_met_again_before_a_save_are_kept_across_two_restarts(tmp_path):
+    want = _gan(tmp_path / "a", 10)
+    _gan(tmp_path / "b", 10, stop_at=6)  # the critic trained after steps 1 and 5
+    _gan(tmp_path / "b", 10, stop_at=8)  # saved at 7 and 8, the critic not met again
+    got = _gan(tmp_path / "b", 10)
+    _same(got, want)
+
+
+def test_periodic_saves_are_written_in_the_background_exactly_as_staged(tmp_path, monkeypatch):
+    import threading
+
+    from accel_ctx._checkpoint import files
+
+    real, threads = files.publish, []
+
+    def publish(*args: Any, **kwargs: Any) -> Path:
+        threads.append(threading.current_thread() is threading.main_thread())
+        time.sleep(0.05)  # a slow disk: training goes on meanwhile
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(files, "publish", publish)
+    full, want, _ = _train(tmp_path / "a", 9)
+    first, _, _ = _train(tmp_path / "b", 9, stop_at=7, every_steps=3)
+    assert threads[-2:] == [False, False]  # steps 3 and 6: written by the saver thread
+    rest, got, _ = _train(tmp_path / "b", 9, every_steps=3)
+    assert first == full[:7] and rest == full[6:]  # step 6's state, not a later one
+    _same(got, want)
+
+
+def test_under_slurm_a_signal_saves_and_requeues_the_job(tmp_path, monkeypatch, capsys):
+    record = tmp_path / "scontrol.args"
+    stand_in = tmp_path / "scontrol"
+    stand_in.write_text(f'#!/bin/sh\necho "$@" > {record}\n')
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("ACCEL_CTX_SCONTROL", str(stand_in))
+    with pytest.raises(SystemExit) as exited, distributed(), resumable(tmp_path / "r") as run:
+        model = nn.Linear(2, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while run.step < 5:
+            if run.step == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's --signal=USR1@90
+            model(torch.ones(2)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert exited.value.code == 128 + signal.SIGUSR1
+    assert record.read_text().split() == ["requeue", "4242"]
+    assert "SLURM job 4242 requeued" in str(exited.value)
+    assert (tmp_path / "r" / "ckpt-000001-step3").is_dir()
