@@ -273,6 +273,15 @@ def test_keeps_the_last_checkpoints_and_the_tracked_values(tmp_path, caplog):
     assert "nothing left to run" in caplog.text
 
 
+def test_a_finished_run_started_again_names_the_objects_it_could_not_restore(tmp_path, caplog):
+    _, trained, _ = _train(tmp_path, 3, every_steps=1)
+    with caplog.at_level(logging.WARNING, logger="accel_ctx.checkpoint"):
+        losses, built, _ = _train(tmp_path, 3, every_steps=1)
+    assert losses == [] and not torch.equal(built["model"]["lin.weight"], trained["model"]["lin.weight"])
+    assert "model0, optimizer0, scheduler0 of checkpoint ckpt-" in caplog.text
+    assert "were not restored" in caplog.text and "run.track(" in caplog.text
+
+
 def _gan(folder: Path, steps: int, stop_at: int | None = None) -> dict[str, Any] | None:
     """A second model and optimizer met only every 4th step (a critic, an evaluation model)."""
     try:

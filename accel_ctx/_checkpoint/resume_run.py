@@ -140,6 +140,7 @@ class ResumeRuntime(Concern):
             if not self.meta.finished:
                 self._say(f"resumable({self.folder}): no step was taken since checkpoint "
                           f"{self.checkpoint.folder.name} (step {self.session.step}).")
+            self._say_unrestored(self.checkpoint)
             return
         last = self.saver.last_path
         if self.saver.last_saved == self.session.step and last is not None:
@@ -152,6 +153,21 @@ class ResumeRuntime(Concern):
             self.save("at the end of the run", wait=True)
         finally:
             _state._STACK.reset(token)
+
+    def _say_unrestored(self, checkpoint: Checkpoint) -> None:
+        # Objects are restored when the loop meets them; a run that took no step met none, and
+        # code after the loop (saving the model, evaluating it) would see what the script built.
+        met = {*self.keys.values(), *self.tracked}
+        unmet = sorted(name for name in checkpoint.names
+                       if name.rstrip("0123456789") in self.met and name not in met)
+        if unmet:
+            self._say(
+                f"resumable({self.folder}): {', '.join(unmet)} of checkpoint "
+                f"{checkpoint.folder.name} were not restored: the loop took no step, so it met "
+                "none of them, and after the loop they hold what the script built, not the "
+                "trained state. Pass them to run.track() as you build them (e.g. "
+                "run.track(net=model, opt=optimizer)) to have them restored at once, or read "
+                f"them with load_state({str(self.folder)!r}, ...).")
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
