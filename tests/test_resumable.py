@@ -48,15 +48,17 @@ def _losses(out: Path, rank: int) -> list[tuple[int, str, str]]:
 
 
 def _run(tmp_path: Path, name: str, kills: int = 0, how: int = signal.SIGKILL,
-         seed: int = 0, launcher_last: bool = False) -> tuple[Path, str, int]:
+         seed: int = 0, launcher_last: bool = False, engine: str = "ddp"
+         ) -> tuple[Path, str, int]:
     """Launch the script (killing ``kills`` times); (its output folder, log, kills landed).
-    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it."""
+    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it.
+    ``engine``: "ddp" (distributed()) or "sharded" (distributed(), sharded())."""
     ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
     out.mkdir()
     rng = random.Random(seed)
     moments = sorted(rng.sample(range(2, STEPS - 4), kills))
     proc, log = _launcher.start(["-n", "2", "--max-restarts", str(kills + 3), SCRIPT, str(ckpt),
-                                 str(out)], tmp_path, f"{name}.log")
+                                 str(out), "3", engine], tmp_path, f"{name}.log")
     landed, killed = 0, set()
     deadline = time.monotonic() + scaled(240)
     for at in moments:
@@ -105,20 +107,40 @@ def _same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _reference(tmp: Path, engine: str) -> Path:
     """The run never interrupted; started again once finished, it takes no step."""
-    tmp = tmp_path_factory.mktemp("reference")
-    out, _, _ = _run(tmp, "ref")
+    out, _, _ = _run(tmp, "ref", engine=engine)
     before = (out / "loss.rank0").read_text()
     assert [s for s, _, _ in _losses(out, 0)] == list(range(1, STEPS + 1))
-    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out)], tmp,
-                                "again.log")
+    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out), "3",
+                                 engine], tmp, "again.log")
     assert _launcher.finish(proc, 120) == 0, log.read_text()[-4000:]
     assert (out / "loss.rank0").read_text() == before  # no step ran
     assert "nothing left to run" in log.read_text()
     assert len(list((tmp / "ref-ckpt").glob("ckpt-*"))) == 2  # keep_last
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("reference"), "ddp")
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("sharded-reference"), "sharded")
+
+
+def _same_as(out: Path, reference: Path) -> None:
+    """Every step's loss (a step run again after a kill runs the same) and the final weights
+    and optimizer state of each rank equal the uninterrupted run's."""
+    for rank in range(2):
+        want = {s: loss for s, loss, _ in _losses(reference, rank)}
+        got = _losses(out, rank)
+        assert {s for s, _, _ in got} == set(want)
+        for step, loss, attempt in got:
+            assert loss == want[step], (rank, step, attempt, got)
+        _same(_final(out, rank), _final(reference, rank))
 
 
 @pytest.mark.slow
@@ -127,15 +149,21 @@ def test_sigkill_at_random_moments_ends_bit_identical(tmp_path, reference, monke
     kills = int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5"))  # the full promise: 20
     out, text, landed = _run(tmp_path, "killed", kills=kills, seed=26)
     assert landed >= kills - 1, text[-4000:]
-    for rank in range(2):
-        want = {s: loss for s, loss, _ in _losses(reference, rank)}
-        got = _losses(out, rank)
-        assert {s for s, _, _ in got} == set(want)
-        for step, loss, attempt in got:  # a step run again after a kill runs the same
-            assert loss == want[step], (rank, step, attempt, got)
-        _same(_final(out, rank), _final(reference, rank))
+    _same_as(out, reference)
     attempts = {a for _, _, a in _losses(out, 0)}
     assert len(attempts) >= 3, attempts  # the run went on after several kills
+
+
+@pytest.mark.slow
+def test_sharded_sigkill_at_random_moments_ends_bit_identical(tmp_path, sharded_reference,
+                                                              monkeypatch):
+    """The same under sharded(): each rank saves and restores its own shards through DCP."""
+    monkeypatch.setenv("STEP_SLEEP", "0.02")
+    kills = max(3, int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5")) * 3 // 5)
+    out, text, landed = _run(tmp_path, "killed", kills=kills, seed=62, engine="sharded")
+    assert landed >= kills - 1, text[-4000:]
+    _same_as(out, sharded_reference)
+    assert len({a for _, _, a in _losses(out, 0)}) >= 3, text[-4000:]
 
 
 @pytest.mark.slow
