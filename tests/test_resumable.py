@@ -183,6 +183,39 @@ def test_sigterm_or_sigusr1_save_at_the_boundary_and_lose_no_step(tmp_path, refe
     assert len({a for _, _, a in _losses(out, 0)}) == 3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [("ddp", "sharded"), ("sharded", "ddp")])
+def test_a_run_continues_across_a_switch_between_distributed_and_sharded(
+        tmp_path, reference, sharded_reference, monkeypatch, first, then):
+    """Saved under one engine, the run continues under the other: DCP re-lays the weights and
+    the optimizer state out (whole on each rank <-> each rank's shards), the loaders go on
+    from the saved positions. Up to the switch the run is the first engine's, bit for bit;
+    after it, the second engine's arithmetic: equal to its uninterrupted run up to rounding
+    (on this model and 2 ranks the two engines happen to agree bit for bit)."""
+    runs = {"ddp": reference, "sharded": sharded_reference}
+    monkeypatch.setenv("STOP_AT", str(STEPS // 2))
+    out, _, _ = _run(tmp_path, "switch", engine=first)
+    monkeypatch.delenv("STOP_AT")
+    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp_path / "switch-ckpt"), str(out),
+                                 "3", then], tmp_path, "then.log")
+    assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
+    assert "resuming from ckpt-" in log.read_text()
+    for rank in range(2):
+        got = _losses(out, rank)
+        assert [s for s, _, _ in got] == list(range(1, STEPS + 1)), got  # each step once
+        before = [loss for s, loss, _ in got if s <= STEPS // 2]
+        assert before == [loss for s, loss, _ in _losses(runs[first], rank)][:STEPS // 2]
+        after = torch.tensor([float.fromhex(loss) for s, loss, _ in got if s > STEPS // 2])
+        want = torch.tensor([float.fromhex(loss) for s, loss, _ in _losses(runs[then], rank)])
+        torch.testing.assert_close(after, want[STEPS // 2:], rtol=1e-5, atol=1e-6)
+        final, ref = _final(out, rank), _final(runs[then], rank)
+        assert final["step"] == ref["step"] and final["lr"] == ref["lr"]
+        for part in ("params", "optimizer"):
+            assert final[part].keys() == ref[part].keys()
+            for key, value in ref[part].items():
+                torch.testing.assert_close(final[part][key], value, rtol=1e-5, atol=1e-6)
+
+
 # ---- one process -------------------------------------------------------------------------------
 class _Net(nn.Module):
     def __init__(self, width: int = 4) -> None:

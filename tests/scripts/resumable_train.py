@@ -6,7 +6,9 @@ ENGINE: "ddp" (default: distributed() alone) or "sharded" (distributed(), sharde
 rank saves its shards). A small MLP with dropout, AdamW, OneCycleLR, a shuffling DataLoader sharded by accel_ctx; every
 step appends "step loss.hex() attempt" to OUT_DIR/loss.rank{R}. Each attempt writes its pid to
 OUT_DIR/pid.rank{R} (the test kills it) and, once done, OUT_DIR/final.rank{R}.pt. The
-environment variable STEP_SLEEP (seconds) slows each step so the test's kills land mid-run.
+environment variable STEP_SLEEP (seconds) slows each step so the test's kills land mid-run;
+STOP_AT (a step) ends the attempt once that step's periodic save is staged (the scope's exit
+waits for it to publish), as a run stopped there and continued by another command would.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ ckpt, out = Path(sys.argv[1]), Path(sys.argv[2])
 every = int(sys.argv[3]) if len(sys.argv) > 3 else 3
 engine = sys.argv[4] if len(sys.argv) > 4 else "ddp"
 pause = float(os.environ.get("STEP_SLEEP", "0"))
+stop_at = int(os.environ.get("STOP_AT", "-1"))
 attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 timeout = 60 * float(os.environ.get("ACCEL_CTX_TEST_TIMEOUT", "1"))
 
@@ -61,6 +64,8 @@ with ExitStack() as scopes:
     with (out / f"loss.rank{rank}").open("a") as log:
         for _epoch in run.epochs(EPOCHS):
             for x, y in loader:
+                if run.step == stop_at:  # the batch fetched: the boundary's save is under way
+                    sys.exit(0)
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
                 opt.step()
