@@ -3,9 +3,10 @@ resumable(), with no resume code, killed and restarted by the test.
 
 usage: resumable_train.py CKPT_DIR OUT_DIR [EVERY_STEPS] [ENGINE]
 ENGINE: "ddp" (default: distributed() alone) or "sharded" (distributed(), sharded(): FSDP2, each
-rank saves its shards). A small MLP with dropout, AdamW, OneCycleLR, a shuffling DataLoader sharded by accel_ctx; every
-step appends "step loss.hex() attempt" to OUT_DIR/loss.rank{R}. Each attempt writes its pid to
-OUT_DIR/pid.rank{R} (the test kills it) and, once done, OUT_DIR/final.rank{R}.pt. The
+rank saves its shards). Any number of processes. A small MLP with dropout, AdamW, OneCycleLR, a
+shuffling DataLoader sharded by accel_ctx; every step appends "step loss.hex() attempt" to
+OUT_DIR/loss.rank{R}. Each attempt writes its pid to OUT_DIR/pid.rank{R} (the test kills it)
+and, once done, OUT_DIR/final.rank{R}.pt. The
 environment variable STEP_SLEEP (seconds) slows each step so the test's kills land mid-run;
 STOP_AT (a step) ends the attempt once that step's periodic save is staged (the scope's exit
 waits for it to publish), as a run stopped there and continued by another command would.
@@ -53,13 +54,13 @@ with ExitStack() as scopes:
     if engine == "sharded":
         scopes.enter_context(sharded())
     run = scopes.enter_context(resumable(ckpt, every_steps=every))
-    rank = state().rank
+    rank, world = state().rank, state().world_size
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2,
-                                                total_steps=EPOCHS * len(loader))
+                                                total_steps=EPOCHS * len(data) // 4)  # any world
     taken = 0
     with (out / f"loss.rank{rank}").open("a") as log:
         for _epoch in run.epochs(EPOCHS):
@@ -76,12 +77,12 @@ with ExitStack() as scopes:
                 taken += 1
                 if pause:
                     time.sleep(pause)
-    if run.finished and all((out / f"final.rank{r}.pt").exists() for r in range(2)):
+    if run.finished and all((out / f"final.rank{r}.pt").exists() for r in range(world)):
         sys.exit(0)  # started again once finished: no step ran, nothing was restored
     if not taken:  # killed after its last save, before this file: the loop met nothing
         load_state(ckpt, model0=model, optimizer0=opt)
     final = {"params": {k: whole(v) for k, v in model.state_dict().items()},
              "optimizer": {f"{i}.{k}": whole(v) for i, s in opt.state_dict()["state"].items()
                            for k, v in s.items() if isinstance(v, torch.Tensor)},
-             "lr": opt.param_groups[0]["lr"], "step": run.step}
+             "lr": opt.param_groups[0]["lr"], "step": run.step, "world": world}
     torch.save(final, out / f"final.rank{rank}.pt")
