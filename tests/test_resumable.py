@@ -10,10 +10,12 @@ twice. The single-process tests cover the scope's own rules in this process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import random
+import re
 import signal
 import time
 import warnings
@@ -48,15 +50,17 @@ def _losses(out: Path, rank: int) -> list[tuple[int, str, str]]:
 
 
 def _run(tmp_path: Path, name: str, kills: int = 0, how: int = signal.SIGKILL,
-         seed: int = 0, launcher_last: bool = False) -> tuple[Path, str, int]:
+         seed: int = 0, launcher_last: bool = False, engine: str = "ddp"
+         ) -> tuple[Path, str, int]:
     """Launch the script (killing ``kills`` times); (its output folder, log, kills landed).
-    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it."""
+    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it.
+    ``engine``: "ddp" (distributed()) or "sharded" (distributed(), sharded())."""
     ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
     out.mkdir()
     rng = random.Random(seed)
     moments = sorted(rng.sample(range(2, STEPS - 4), kills))
     proc, log = _launcher.start(["-n", "2", "--max-restarts", str(kills + 3), SCRIPT, str(ckpt),
-                                 str(out)], tmp_path, f"{name}.log")
+                                 str(out), "3", engine], tmp_path, f"{name}.log")
     landed, killed = 0, set()
     deadline = time.monotonic() + scaled(240)
     for at in moments:
@@ -105,20 +109,40 @@ def _same(a: Any, b: Any) -> None:
         assert a == b
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _reference(tmp: Path, engine: str) -> Path:
     """The run never interrupted; started again once finished, it takes no step."""
-    tmp = tmp_path_factory.mktemp("reference")
-    out, _, _ = _run(tmp, "ref")
+    out, _, _ = _run(tmp, "ref", engine=engine)
     before = (out / "loss.rank0").read_text()
     assert [s for s, _, _ in _losses(out, 0)] == list(range(1, STEPS + 1))
-    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out)], tmp,
-                                "again.log")
+    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out), "3",
+                                 engine], tmp, "again.log")
     assert _launcher.finish(proc, 120) == 0, log.read_text()[-4000:]
     assert (out / "loss.rank0").read_text() == before  # no step ran
     assert "nothing left to run" in log.read_text()
     assert len(list((tmp / "ref-ckpt").glob("ckpt-*"))) == 2  # keep_last
     return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("reference"), "ddp")
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _reference(tmp_path_factory.mktemp("sharded-reference"), "sharded")
+
+
+def _same_as(out: Path, reference: Path) -> None:
+    """Every step's loss (a step run again after a kill runs the same) and the final weights
+    and optimizer state of each rank equal the uninterrupted run's."""
+    for rank in range(2):
+        want = {s: loss for s, loss, _ in _losses(reference, rank)}
+        got = _losses(out, rank)
+        assert {s for s, _, _ in got} == set(want)
+        for step, loss, attempt in got:
+            assert loss == want[step], (rank, step, attempt, got)
+        _same(_final(out, rank), _final(reference, rank))
 
 
 @pytest.mark.slow
@@ -127,15 +151,21 @@ def test_sigkill_at_random_moments_ends_bit_identical(tmp_path, reference, monke
     kills = int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5"))  # the full promise: 20
     out, text, landed = _run(tmp_path, "killed", kills=kills, seed=26)
     assert landed >= kills - 1, text[-4000:]
-    for rank in range(2):
-        want = {s: loss for s, loss, _ in _losses(reference, rank)}
-        got = _losses(out, rank)
-        assert {s for s, _, _ in got} == set(want)
-        for step, loss, attempt in got:  # a step run again after a kill runs the same
-            assert loss == want[step], (rank, step, attempt, got)
-        _same(_final(out, rank), _final(reference, rank))
+    _same_as(out, reference)
     attempts = {a for _, _, a in _losses(out, 0)}
     assert len(attempts) >= 3, attempts  # the run went on after several kills
+
+
+@pytest.mark.slow
+def test_sharded_sigkill_at_random_moments_ends_bit_identical(tmp_path, sharded_reference,
+                                                              monkeypatch):
+    """The same under sharded(): each rank saves and restores its own shards through DCP."""
+    monkeypatch.setenv("STEP_SLEEP", "0.02")
+    kills = max(3, int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5")) * 3 // 5)
+    out, text, landed = _run(tmp_path, "killed", kills=kills, seed=62, engine="sharded")
+    assert landed >= kills - 1, text[-4000:]
+    _same_as(out, sharded_reference)
+    assert len({a for _, _, a in _losses(out, 0)}) >= 3, text[-4000:]
 
 
 @pytest.mark.slow
@@ -153,6 +183,39 @@ def test_sigterm_or_sigusr1_save_at_the_boundary_and_lose_no_step(tmp_path, refe
         want = [loss for _, loss, _ in _losses(reference, rank)]
         assert [loss for _, loss, _ in _losses(out, rank)] == want
     assert len({a for _, _, a in _losses(out, 0)}) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first, then", [("ddp", "sharded"), ("sharded", "ddp")])
+def test_a_run_continues_across_a_switch_between_distributed_and_sharded(
+        tmp_path, reference, sharded_reference, monkeypatch, first, then):
+    """Saved under one engine, the run continues under the other: DCP re-lays the weights and
+    the optimizer state out (whole on each rank <-> each rank's shards), the loaders go on
+    from the saved positions. Up to the switch the run is the first engine's, bit for bit;
+    after it, the second engine's arithmetic: equal to its uninterrupted run up to rounding
+    (on this model and 2 ranks the two engines happen to agree bit for bit)."""
+    runs = {"ddp": reference, "sharded": sharded_reference}
+    monkeypatch.setenv("STOP_AT", str(STEPS // 2))
+    out, _, _ = _run(tmp_path, "switch", engine=first)
+    monkeypatch.delenv("STOP_AT")
+    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp_path / "switch-ckpt"), str(out),
+                                 "3", then], tmp_path, "then.log")
+    assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
+    assert "resuming from ckpt-" in log.read_text()
+    for rank in range(2):
+        got = _losses(out, rank)
+        assert [s for s, _, _ in got] == list(range(1, STEPS + 1)), got  # each step once
+        before = [loss for s, loss, _ in got if s <= STEPS // 2]
+        assert before == [loss for s, loss, _ in _losses(runs[first], rank)][:STEPS // 2]
+        after = torch.tensor([float.fromhex(loss) for s, loss, _ in got if s > STEPS // 2])
+        want = torch.tensor([float.fromhex(loss) for s, loss, _ in _losses(runs[then], rank)])
+        torch.testing.assert_close(after, want[STEPS // 2:], rtol=1e-5, atol=1e-6)
+        final, ref = _final(out, rank), _final(runs[then], rank)
+        assert final["step"] == ref["step"] and final["lr"] == ref["lr"]
+        for part in ("params", "optimizer"):
+            assert final[part].keys() == ref[part].keys()
+            for key, value in ref[part].items():
+                torch.testing.assert_close(final[part][key], value, rtol=1e-5, atol=1e-6)
 
 
 # ---- one process -------------------------------------------------------------------------------
@@ -356,3 +419,79 @@ def test_under_slurm_a_signal_saves_and_requeues_the_job(tmp_path, monkeypatch, 
     assert record.read_text().split() == ["requeue", "4242"]
     assert "SLURM job 4242 requeued" in str(exited.value)
     assert (tmp_path / "r" / "ckpt-000001-step3").is_dir()
+
+
+# ---- elastic: two launcher "nodes", one lost for good ------------------------------------------
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+@pytest.mark.slow
+def test_two_elastic_nodes_one_lost_for_good_the_other_goes_on_from_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    """`--nnodes 1:2`: 2 launchers of 2 processes train as one world of 4; the second launcher
+    and its workers are SIGKILLed for good. The first restarts its workers, torchrun's
+    rendezvous closes with the one node left, and the run continues on 2 processes from the
+    last checkpoint (written by 4, mid-epoch), the data that epoch had not seen split between
+    them, and rank 0 says so. It ends exactly as a run stopped at that checkpoint on 4
+    processes and continued on 2 by hand (bit for bit: the same W -> W' switch)."""
+    from ._spawn import free_port
+
+    monkeypatch.setenv("STEP_SLEEP", "0.05")
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    master = f"127.0.0.1:{free_port()}"
+    conf = f"join_timeout={scaled(120):.0f},last_call_timeout={scaled(20):.0f}"
+    nodes = [_launcher.start(["--nnodes", "1:2", "--node-rank", str(node), "--master", master,
+                              "-n", "2", "--max-restarts", "3", "--rdzv-conf", conf, SCRIPT,
+                              str(ckpt), str(out), "5"], tmp_path, f"node{node}.log")
+             for node in (0, 1)]
+    deadline = time.monotonic() + scaled(180)
+    while time.monotonic() < deadline and nodes[0][0].poll() is None and not list(
+            ckpt.glob("ckpt-*-step5")):  # a save of the world of 4, published
+        time.sleep(0.02)
+    assert any(s == 5 for s, _, _ in _losses(out, 3)), nodes[0][1].read_text()[-6000:]
+    lost, _ = nodes[1]
+    doomed = [lost.pid, *_descendants(lost.pid)]
+    for pid in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    lost.wait()
+    code = _launcher.finish(nodes[0][0], 300)
+    text = nodes[0][1].read_text()
+    assert code == 0, text[-6000:]
+    resumed = re.search(r"resuming from (ckpt-\d+-step(\d+)) .*; resumed on 2 processes, the "
+                        r"checkpoint was written by 4", text)
+    assert resumed, text[-6000:]
+    step = int(resumed[2])
+    assert step in (5, 10, 15), step  # mid-epoch: 6 steps an epoch on 4, 12 on 2
+    finals = [_final(out, rank) for rank in range(2)]
+    assert [f["world"] for f in finals] == [2, 2] and not (out / "final.rank2.pt").exists()
+
+    # the same switch made by hand: 4 processes stopped at that checkpoint, 2 continue
+    by_hand, by_hand_out = tmp_path / "by-hand", tmp_path / "by-hand-out"
+    by_hand_out.mkdir()
+    monkeypatch.setenv("STOP_AT", str(step))
+    for n in (4, 2):
+        proc, log = _launcher.start(["-n", str(n), SCRIPT, str(by_hand), str(by_hand_out),
+                                     "5"], tmp_path, f"by-hand-{n}.log")
+        assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
+        monkeypatch.delenv("STOP_AT", raising=False)
+    for rank in range(2):
+        _same(finals[rank], _final(by_hand_out, rank))
+        want = {s: loss for s, loss, _ in _losses(by_hand_out, rank)}
+        got = {s: loss for s, loss, _ in _losses(out, rank)}  # steps run again: the last time
+        assert got == want

@@ -263,8 +263,12 @@ def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
     if checkpoint is not None and rank == 0:
         from .resume_run import log
 
-        log.warning("resumable(%s): resuming from %s (step %d, epoch %d)", root,
-                    checkpoint.folder.name, checkpoint.step, checkpoint.epoch)
+        log.warning("resumable(%s): resuming from %s (step %d, epoch %d)%s", root,
+                    checkpoint.folder.name, checkpoint.step, checkpoint.epoch,
+                    "" if checkpoint.same_world else
+                    f"; resumed on {world} processes, the checkpoint was written by "
+                    f"{checkpoint.saved_world}: the data not yet seen is split among {world}, so "
+                    "the run continues correctly but not bit-identically")
 
 
 def _leave(runtime: ResumeRuntime) -> None:
