@@ -345,6 +345,45 @@ def test_a_finished_run_started_again_names_the_objects_it_could_not_restore(tmp
     assert "were not restored" in caplog.text and "run.track(" in caplog.text
 
 
+def test_the_run_can_be_read_after_its_block(tmp_path):
+    with distributed(), resumable(tmp_path, every_steps=2) as run:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        while run.step < 3:
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    assert (run.step, run.resumed, run.finished) == (3, False, True)  # `print(run.step)` after
+    assert run.checkpoint is None and run.values == {}
+    with pytest.raises(errors.ConfigurationError, match="inside its `with resumable"):
+        run.track(best=1.0)
+
+
+def test_a_signal_before_the_first_step_saves_that_step_and_the_next_run_goes_on(tmp_path, capsys):
+    def run_once(signal_first: bool) -> list[int]:
+        steps = []
+        with distributed(), resumable(tmp_path) as run:
+            torch.manual_seed(0)
+            model = nn.Linear(4, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if signal_first:
+                os.kill(os.getpid(), signal.SIGTERM)  # before the first step has finished
+            while run.step < 3:
+                model(torch.randn(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                steps.append(run.step)
+        return steps
+
+    with pytest.raises(SystemExit) as ended:
+        run_once(True)
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert "SIGTERM received: saved" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+        "ckpt-000001-step1"]
+    assert run_once(False) == [2, 3]
+
+
 def _gan(folder: Path, steps: int, stop_at: int | None = None) -> dict[str, Any] | None:
     """A second model and optimizer met only every 4th step (a critic, an evaluation model)."""
     try:

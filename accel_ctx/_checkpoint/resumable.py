@@ -98,6 +98,7 @@ class resumable(Scope):
         self._every_steps = every_steps
         self._every_minutes = every_minutes
         self._keep_last = keep_last
+        self._ended: ResumeRuntime | None = None
 
     # ---- the scope -----------------------------------------------------------------------------
     @override
@@ -110,6 +111,7 @@ class resumable(Scope):
                 runtime.close(exc)
             finally:
                 _leave(runtime)
+                self._ended = runtime  # read after the block: `print(run.step)`
             return False
 
         exits.push(close)
@@ -131,13 +133,17 @@ class resumable(Scope):
             raise
 
     # ---- the run ---------------------------------------------------------------------------------
-    def _runtime(self) -> ResumeRuntime:
+    def _runtime(self, after_the_block: bool = False) -> ResumeRuntime:
         thread = _state._get_ident()
         for entry in reversed(self._entries):
             if entry.thread == thread and isinstance(entry.frame.runtimes[0], ResumeRuntime):
                 return entry.frame.runtimes[0]
+        if after_the_block and self._ended is not None:
+            return self._ended  # what the run ended with, read only
         raise ConfigurationError(
-            "resumable(): use the run inside its `with resumable(...) as run:` block.")
+            "resumable(): use the run inside its `with resumable(...) as run:` block (after "
+            "it, only run.step, run.resumed, run.finished, run.checkpoint and run.values can "
+            "be read).")
 
     @property
     def step(self) -> int:
@@ -145,31 +151,32 @@ class resumable(Scope):
         ``while run.step < max_steps``). In a loop that iterates no DataLoader, reading it is
         the step boundary (a save may happen there) and, after a restart, the first read
         restores the RNG streams: read it at the top of the loop, after the model is built."""
-        runtime = self._runtime()
-        runtime.step_read()
+        runtime = self._runtime(after_the_block=True)
+        if runtime.opened:
+            runtime.step_read()
         return runtime.session.step
 
     @property
     def resumed(self) -> bool:
         """Whether the run continues from a checkpoint."""
-        return self._runtime().checkpoint is not None
+        return self._runtime(after_the_block=True).checkpoint is not None
 
     @property
     def finished(self) -> bool:
         """Whether the run had already ended: its loop takes no step, and objects it never
         meets are not restored (track the ones the code after the loop uses)."""
-        return self._runtime().meta.finished
+        return self._runtime(after_the_block=True).meta.finished
 
     @property
     def checkpoint(self) -> Path | None:
         """The checkpoint folder the run resumed from (None: a fresh start)."""
-        found = self._runtime().checkpoint
+        found = self._runtime(after_the_block=True).checkpoint
         return found.folder if found is not None else None
 
     @property
     def values(self) -> dict[str, Any]:
         """The plain values given to :meth:`track`, as restored (update them in place)."""
-        return self._runtime().meta.values
+        return self._runtime(after_the_block=True).meta.values
 
     def epochs(self, n: int) -> Iterator[int]:
         """The epochs left of ``n``: ``range(n)`` on a fresh start, from the saved epoch after a
