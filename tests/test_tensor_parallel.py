@@ -1,0 +1,87 @@
+"""Tensor parallelism (issue 27): ``sharded(tp=N)`` and ``distributed(tp=N)`` train the plain
+loop as one process does, on a ("dp", "tp") mesh of real gloo ranks, with torch's own engines
+(parallelize_module, then fully_shard over "dp"); and each misuse is a clear error."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from accel_ctx import distributed, sharded
+from accel_ctx.errors import ConfigurationError
+
+from ._spawn import spawn
+from .workers import tensor_parallel as w
+
+BATCH = 2
+
+
+def _close(got, want, what):
+    assert got.keys() == want.keys(), what
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m, k=key: f"{what}, {k}: {m}")
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    return spawn(w.four_ranks, 4, tmp_path_factory.mktemp("tp4"), BATCH, timeout=300)
+
+
+def test_sharded_tp2_on_four_ranks_trains_like_one_process(four):
+    reference = w.train("plain", BATCH * 2, epochs=2)
+    for rank, result in enumerate(four):
+        got = result["sharded"]
+        _close(got["weights"], reference["weights"], f"rank {rank}: sharded(tp=2) vs one process")
+        assert got["split"] == "DTensor" and got["tied"], rank
+
+
+def test_state_shows_dp_and_tp_coordinates_with_tp_innermost(four):
+    for rank, result in enumerate(four):
+        assert result["sharded"]["where"] == {
+            "rank": rank, "world_size": 4, "dp_rank": rank // 2, "dp_size": 2,
+            "tp_rank": rank % 2, "tp_size": 2}
+
+
+def test_the_ranks_of_a_tp_group_get_the_same_batches_and_the_groups_split_the_data(four):
+    seen = [r["sharded"]["seen"] for r in four]
+    assert seen[0] == seen[1] and seen[2] == seen[3]
+    assert seen[0] != seen[2]
+    one = w.train("plain", BATCH * 2, epochs=2)["seen"]
+    assert [a + b for a, b in zip(seen[0], seen[2], strict=True)] == one
+
+
+def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
+    for result in four:
+        said = result["misuse"]
+        assert "tp=3" in said["tp_not_dividing"] and "divisor of 4" in said["tp_not_dividing"]
+        assert "sharded(tp=2)" in said["distributed_with_dp"]
+        assert "declares no tensor-parallel plan" in said["no_plan"]
+        assert "tp_plan=" in said["no_plan"] and "colwise" in said["no_plan"]
+        assert "'layers.*.attn.qq' names no module" in said["missing_module"]
+        assert "n_heads = 2" in said["heads"] and "tp=4" in said["heads"]
+
+
+def test_distributed_tp2_on_two_ranks_trains_like_one_process(tmp_path):
+    per_rank = spawn(w.train, 2, tmp_path, "distributed", BATCH, timeout=300)
+    reference = w.train("plain", BATCH)
+    for rank, result in enumerate(per_rank):
+        _close(result["weights"], reference["weights"], f"rank {rank}: distributed(tp=2)")
+        assert result["where"]["dp_size"] == 1 and result["where"]["tp_rank"] == rank
+        assert result["seen"] == reference["seen"]
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"tp": 0}, "tp=0"),
+    ({"tp": True}, "tp=True"),
+    ({"tp_plan": {"a": "colwise"}}, "without tp="),
+    ({"tp": 2, "tp_plan": {"a": "diagonal"}}, "'diagonal'"),
+    ({"tp": 2, "tp_plan": {"a..b": "colwise"}}, "not a module path"),
+    ({"tp": 2, "tp_plan": ["a"]}, "dict of module path patterns"),
+])
+def test_tp_options_are_checked_where_given(kwargs, expected):
+    for scope in (sharded, distributed):
+        with pytest.raises(ConfigurationError, match=re.escape(expected)):
+            scope(**kwargs)
