@@ -38,6 +38,19 @@ def test_sharded_tp2_on_four_ranks_trains_like_one_process(four):
         assert got["split"] == "DTensor" and got["tied"], rank
 
 
+def test_clipping_by_the_global_norm_over_both_mesh_dims_and_the_plain_ones(four):
+    # split layers live on the 2-D mesh, the rest on "dp": torch's own clip refuses the mix
+    reference = w.train("plain", BATCH * 2, clip=0.05)
+    for rank, result in enumerate(four):
+        _close(result["clip"]["weights"], reference["weights"], f"rank {rank}: clipped")
+
+
+def test_accumulate_under_sharded_tp_trains_like_one_process(four):
+    reference = w.train("plain", BATCH * 2, k=2)
+    for rank, result in enumerate(four):
+        _close(result["acc"]["weights"], reference["weights"], f"rank {rank}: accumulate(2)")
+
+
 def test_state_shows_dp_and_tp_coordinates_with_tp_innermost(four):
     for rank, result in enumerate(four):
         assert result["sharded"]["where"] == {

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_ctx import distributed, sharded, state
+from accel_ctx import accumulate, clip_grad_norm_, distributed, sharded, state
 from accel_ctx.errors import ConfigurationError
 
 from .._timeouts import scaled
@@ -88,17 +88,22 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def scope(kind: str) -> contextlib.AbstractContextManager[Any]:
-    if kind == "sharded":
-        return sharded(tp=2, tp_plan=PLAN, timeout=scaled(60))
-    if kind == "distributed":
-        return distributed(tp=2, tp_plan=PLAN, timeout=scaled(60))
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def scope(kind: str, k: int = 1) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if kind == "sharded":
+            stack.enter_context(sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)))
+        elif kind == "distributed":
+            stack.enter_context(distributed(tp=2, tp_plan=PLAN, timeout=scaled(60)))
+        if k > 1:
+            stack.enter_context(accumulate(k))
+        yield
 
 
-def train(kind: str, batch: int, *, epochs: int = 1) -> dict[str, Any]:
+def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
+          clip: float | None = None) -> dict[str, Any]:
     """The plain loop, in the scope ``kind`` names ("plain": none)."""
-    with scope(kind):
+    with scope(kind, k):
         torch.manual_seed(0)
         model = GPT()
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -109,6 +114,8 @@ def train(kind: str, batch: int, *, epochs: int = 1) -> dict[str, Any]:
                 seen.append(x[:, 0].tolist())
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
                 loss.backward()
+                if clip is not None:
+                    clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
         where = state()
@@ -149,4 +156,5 @@ def misuse() -> dict[str, str]:
 
 def four_ranks(batch: int) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
-    return {"sharded": train("sharded", batch, epochs=2), "misuse": misuse()}
+    return {"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
+            "clip": train("sharded", batch, clip=0.05), "acc": train("sharded", batch, k=2)}
