@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from accel_ctx import distributed, sharded
+from accel_ctx import distributed, load_state, sharded
 from accel_ctx.errors import ConfigurationError
 
 from ._spawn import spawn
@@ -26,8 +26,14 @@ def _close(got, want, what):
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
-    return spawn(w.four_ranks, 4, tmp_path_factory.mktemp("tp4"), BATCH, timeout=300)
+def spawned(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp4")
+    return root, spawn(w.four_ranks, 4, root, BATCH, str(root / "ckpt"), timeout=300)
+
+
+@pytest.fixture
+def four(spawned):
+    return spawned[1]
 
 
 def test_sharded_tp2_on_four_ranks_trains_like_one_process(four):
@@ -49,6 +55,28 @@ def test_accumulate_under_sharded_tp_trains_like_one_process(four):
     reference = w.train("plain", BATCH * 2, k=2)
     for rank, result in enumerate(four):
         _close(result["acc"]["weights"], reference["weights"], f"rank {rank}: accumulate(2)")
+
+
+def test_a_2x2_checkpoint_resumes_bit_identical_and_loads_into_one_plain_process(spawned):
+    root, four = spawned
+    for rank, result in enumerate(four):
+        full, resumed = result["ckpt_full"], result["ckpt_resume"]
+        assert (result["ckpt_stop"]["step"], resumed["step"], full["step"]) == (3, 8, 8)
+        for key, value in result["ckpt_stop"]["weights"].items():
+            assert torch.equal(resumed["loaded"][key], value), (rank, key, "loaded")
+        for key, value in full["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), (rank, key)
+    # outside any scope: the 2-D checkpoint into a plain model and optimizer
+    torch.manual_seed(0)
+    model = w.GPT()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    load_state(str(root / "ckpt" / "tp"), model=model, optimizer=opt)
+    saved = four[0]["ckpt_stop"]["weights"]
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    assert model.wte.weight is model.lm_head.weight
+    buffers = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    assert all(type(b) is torch.Tensor and b.abs().sum() > 0 for b in buffers)
 
 
 def test_state_shows_dp_and_tp_coordinates_with_tp_innermost(four):

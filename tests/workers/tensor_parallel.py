@@ -19,7 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from accel_ctx import accumulate, clip_grad_norm_, distributed, sharded, state
+from accel_ctx import (
+    accumulate,
+    clip_grad_norm_,
+    distributed,
+    load_state,
+    save_state,
+    sharded,
+    state,
+)
 from accel_ctx.errors import ConfigurationError
 
 from .._timeouts import scaled
@@ -154,7 +162,31 @@ def misuse() -> dict[str, str]:
     return said
 
 
-def four_ranks(batch: int) -> dict[str, Any]:
+def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
+                   resume: bool = False) -> dict[str, Any]:
+    """The resumable loop under sharded(tp=2): saves at micro-step ``stop``, or resumes."""
+    with scope("sharded"):
+        torch.manual_seed(0)
+        model = GPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
+        if resume:
+            torch.manual_seed(1234)  # what the process drew before must not matter
+            load_state(ckpt, model=model, optimizer=opt, loader=loader)
+        loaded = full_weights(model) if resume else None
+        for micro, (x, y) in enumerate(loader, 1):
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            if micro == stop:
+                save_state(ckpt, model=model, optimizer=opt, loader=loader)
+                break
+        return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
+
+
+def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
-    return {"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
+    return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
+            "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
+            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05), "acc": train("sharded", batch, k=2)}
