@@ -24,6 +24,7 @@ from accel_ctx import (
     clip_grad_norm_,
     distributed,
     load_state,
+    mixed_precision,
     save_state,
     sharded,
     state,
@@ -109,11 +110,14 @@ def scope(kind: str, k: int = 1) -> Iterator[None]:
 
 
 def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
-          clip: float | None = None) -> dict[str, Any]:
+          clip: float | None = None, precision: str = "no") -> dict[str, Any]:
     """The plain loop, in the scope ``kind`` names ("plain": none)."""
-    with scope(kind, k):
+    with scope(kind, k), mixed_precision(precision):
         torch.manual_seed(0)
         model = GPT()
+        computed: set[str] = set()
+        model.layers[0].attn.q.register_forward_hook(
+            lambda m, args, out: computed.add(str(out.dtype)))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
         seen: list[list[int]] = []
@@ -130,7 +134,8 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
         return {"weights": full_weights(model), "seen": seen,
                 "where": {k: getattr(where, k) for k in
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
-                "tied": model.wte.weight is model.lm_head.weight,
+                "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
+                "master": sorted({str(p.dtype) for p in model.parameters()}),
                 "split": type(model.layers[0].attn.q.weight).__name__}
 
 
@@ -189,4 +194,5 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
             "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
             "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
-            "clip": train("sharded", batch, clip=0.05), "acc": train("sharded", batch, k=2)}
+            "clip": train("sharded", batch, clip=0.05),
+            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2)}
