@@ -66,9 +66,10 @@ def _drops_last(loader: DataLoader[Any]) -> bool:
 
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
     job = stack.job if stack is not None else None
-    if job is None or job.world_size == 1 or _already_sharded(loader):
+    # data-parallel coordinates: the ranks of a tensor-parallel group get the same batches
+    if job is None or job.coordinates.dp_size == 1 or _already_sharded(loader):
         return ShardPlan(skip=skip)
-    return ShardPlan(job.rank, job.world_size, job.options.even_batches, skip,
+    return ShardPlan(job.coordinates.dp_rank, job.coordinates.dp_size, job.options.even_batches, skip,
                      _drops_last(loader))
 
 

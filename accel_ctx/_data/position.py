@@ -44,7 +44,8 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
         return {"name": name, "epoch": 0, "consumed": 0, "finished": True, "start_rng": None}
     plan = record.epoch_plan or _data.ShardPlan()
     total = _global_batches(loader)
-    consumed = plan.skip + sum(yields)
+    tp = _state.coordinates().tp_size  # the ranks of a tensor-parallel group share batches
+    consumed = plan.skip + sum(yields[::tp] if tp > 1 and len(yields) % tp == 0 else yields)
     end = plan.end(total) if total is not None else None  # drop_last: full rounds only
     if end is not None:
         consumed = min(consumed, end)  # even_batches pads the last round with repeats

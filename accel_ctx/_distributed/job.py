@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import ConfigurationError
 from . import env as _env
+from .coordinates import Coordinates
 from .heartbeat import Heartbeat
 from .options import DistributedOptions
 from .progress import Progress
@@ -74,13 +75,19 @@ class Job:
         backend: str | None,
         options: DistributedOptions,
         root: Job | None = None,
+        outer: Job | None = None,
     ) -> None:
         self.launch = launch
         self.device = device
         self.backend = backend
         self.options = options
         self.root: Job = root if root is not None else self
-        self.coordinates = launch.coordinates  # the launch environment's, not a copy
+        # the launch environment's, split into ("dp", "tp") when tensor parallelism is asked
+        # for (a nested scope that does not ask keeps the outer job's split)
+        tp = options.tp if options.tp is not None else (
+            outer.coordinates.tp_size if outer is not None else 1)
+        self.coordinates: Coordinates = (launch.coordinates if tp == 1
+                            else _split(launch.coordinates, tp))
         self.debug = options.debug or os.environ.get(_env.DEBUG_VAR, "") not in ("", "0")
         # where this rank is (step, phase), for the other ranks' failure messages (_blame)
         self.progress: Progress = root.progress if root is not None else Progress()
@@ -92,8 +99,7 @@ class Job:
         self.eval_warned: weakref.WeakSet[Any] = weakref.WeakSet()
         self.metric_gathers = 0
         self.no_grad_forwards = 0  # top-level forwards without gradients (evaluations)
-        self._mesh: DeviceMesh | None = None
-        self._hybrid_meshes: dict[int, DeviceMesh] = {}
+        self._meshes: dict[tuple[str, int], DeviceMesh] = {}
 
     @property
     def rank(self) -> int:
@@ -111,18 +117,33 @@ class Job:
 
     def nested(self, options: DistributedOptions) -> Job:
         """The job of a ``distributed()`` nested in this one's: same group, its own options."""
-        return Job(self.launch, self.device, self.backend, options, self.root)
+        return Job(self.launch, self.device, self.backend, options, self.root, self)
+
+    def _cached_mesh(self, key: tuple[str, int], shape: tuple[int, ...],
+                     names: tuple[str, ...]) -> DeviceMesh:
+        meshes = self.root._meshes  # one per layout for the job's process group
+        mesh = meshes.get(key)
+        if mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+        return mesh
 
     @property
     def mesh(self) -> DeviceMesh:
-        """A one-dimensional device mesh ``("dp",)`` over the job, built on first use."""
-        root = self.root
-        if root._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
+        """The data-parallel device mesh ``("dp",)``, built on first use: over the job, or the
+        "dp" dimension of :attr:`tp_mesh` under tensor parallelism."""
+        if self.coordinates.tp_size > 1:
+            return self.tp_mesh["dp"]
+        return self._cached_mesh(("dp", 1), (self.coordinates.dp_size,), ("dp",))
 
-            size = (self.coordinates.dp_size,)
-            root._mesh = init_device_mesh(self.device.type, size, mesh_dim_names=("dp",))
-        return root._mesh
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        """The 2-D mesh ``("dp", "tp")``: tensor-parallel groups of consecutive ranks (tp
+        innermost), data-parallel across them; built on first use."""
+        where = self.coordinates
+        return self._cached_mesh(("dp,tp", where.tp_size), (where.dp_size, where.tp_size),
+                                 ("dp", "tp"))
 
     def sharding_mesh(self, shard_size: int | None) -> DeviceMesh:
         """The mesh a sharded model lives on: ``("dp",)`` when one copy is sharded over every
@@ -131,19 +152,29 @@ class Job:
         size = self.coordinates.dp_size
         if shard_size is None or shard_size == size:
             return self.mesh
+        if self.coordinates.tp_size > 1:
+            raise ConfigurationError(
+                f"sharded(tp={self.coordinates.tp_size}) with shard_size= or hybrid=: HSDP "
+                "over tensor-parallel groups (a 3-D mesh) is not supported yet. Drop "
+                "shard_size/hybrid to shard over every data-parallel rank, or drop tp.")
         if shard_size < 1 or size % shard_size:
             raise ConfigurationError(
                 f"sharded(shard_size={shard_size}): the {size} data-parallel ranks cannot be "
                 f"split into groups of {shard_size}; give a divisor of {size}.")
-        root = self.root
-        mesh = root._hybrid_meshes.get(shard_size)
-        if mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
+        return self._cached_mesh(("hsdp", shard_size), (size // shard_size, shard_size),
+                                 ("replicate", "shard"))
 
-            mesh = init_device_mesh(self.device.type, (size // shard_size, shard_size),
-                                    mesh_dim_names=("replicate", "shard"))
-            root._hybrid_meshes[shard_size] = mesh
-        return mesh
+
+def _split(where: Coordinates, tp: int) -> Coordinates:
+    """``where`` with tensor-parallel groups of ``tp``; refused when they cannot be formed."""
+    if where.world_size % tp:
+        fits = [n for n in range(1, where.world_size + 1) if where.world_size % n == 0]
+        raise ConfigurationError(
+            f"tp={tp}: the {where.world_size} processes of this job cannot form tensor-parallel "
+            f"groups of {tp} ranks each. Start a multiple of {tp} processes "
+            f"(accel-ctx launch -n {tp * max(1, where.world_size // tp)}), or give tp a divisor "
+            f"of {where.world_size} ({', '.join(map(str, fits))}).")
+    return where.with_tensor_parallel(tp)
 
 
 # Jobs formed in this process and still open, in any thread (outermost first). Rank and world

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .._engines import comm_hook as _comm_hook
 from .._engines.comm_hook import PowerSGD
+from .._engines.tp_plan import parse_tp
 from .._options import flag, unknown_option
 from ..errors import ConfigurationError, LaunchEnvironmentError
 from . import env as _env
@@ -62,6 +63,14 @@ class DistributedOptions:
     ``"powersgd"`` (torch's defaults) or :class:`PowerSGD` with your settings (a fresh state per
     model), or ``(state, hook)`` for any DDP comm hook (that one state serves every model);
     registered on every model the scope adopts. Not with ``sharded()``."""
+    tp: int | None = None
+    """Tensor parallelism: split each planned layer's weights over groups of this many
+    consecutive ranks (the data splits over the groups: ``state().dp_size`` = world / tp).
+    ``distributed(tp=N)`` alone needs world = N; ``sharded(tp=N)`` shards over the groups."""
+    tp_plan: tuple[tuple[str, Any], ...] | None = None
+    """Where tensor parallelism applies: module path patterns (``*`` = one segment) to
+    ``"colwise"``, ``"rowwise"`` or a torch ``ParallelStyle``; None uses the plan the model
+    declares (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``)."""
 
 
 class Options(TypedDict, total=False):
@@ -78,6 +87,8 @@ class Options(TypedDict, total=False):
     even_batches: bool
     debug: bool
     comm_hook: str | PowerSGD | tuple[Any, Any] | None
+    tp: int | None
+    tp_plan: Mapping[str, Any] | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
@@ -172,6 +183,9 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     values["init_method"] = _init_method(values.get("init_method"))
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
+    tensor = parse_tp(values.get("tp"), values.get("tp_plan"), call)
+    values["tp"] = tensor.size if tensor is not None else values.get("tp")
+    values["tp_plan"] = tensor.styles if tensor is not None else None
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])

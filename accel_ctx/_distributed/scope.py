@@ -31,8 +31,12 @@ from .._engines import (
 from .._engines import (
     replicate as _replicate,
 )
+from .._engines import (
+    tensor_parallel as _tensor_parallel,
+)
 from .._engines.ddp_controls import holds_back
 from .._engines.replica_inputs import check_first_inputs
+from .._engines.tp_plan import TensorPlan
 from .._options import checked
 from .._precision.scope import check_env_policy, precision_from_env
 from ..errors import ConfigurationError
@@ -91,22 +95,42 @@ class distributed(Scope):
 def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.ShardingPlan | None
                  ) -> DistributedRuntime | tuple[Concern, ...]:
     """The runtime of a ``distributed()`` (or ``sharded()``: ``plan``) entry: the job of the
-    scope below, or a new one. A sharding plan below stays in force unless ``plan`` replaces it."""
+    scope below, or a new one. A sharding or tensor-parallel plan below stays in force unless
+    this entry gives its own."""
     below = _state.current()
     outer_runtime = below.find(DistributedRuntime) if below is not None else None
+    tensor = (TensorPlan(options.tp, options.tp_plan)
+              if options.tp is not None and options.tp > 1 else None)
     if outer_runtime is not None:
         outer = outer_runtime.job
         check_nested(outer.device, outer.backend, outer.root.options, options)
         plan = plan or outer_runtime.plan
+        if options.tp is None:
+            tensor = outer_runtime.tensor
         _check_comm_hook(plan, options, outer.root.options)
         _comm_hook.check_device(options.comm_hook, outer.device)
-        return DistributedRuntime(outer.nested(options), plan)
+        job = outer.nested(options)
+        _check_tensor(job, tensor, plan)
+        return DistributedRuntime(job, plan, tensor)
     _check_comm_hook(plan, options)  # before the group forms: every rank refuses alike
     check_env_policy()
     job = start_job(options, exits)
-    runtime = DistributedRuntime(job, plan)
+    _check_tensor(job, tensor, plan)
+    runtime = DistributedRuntime(job, plan, tensor)
     default = precision_from_env(job.device, exits)
     return (runtime, default) if default is not None else runtime
+
+
+def _check_tensor(job: Job, tensor: TensorPlan | None, plan: _fsdp.ShardingPlan | None) -> None:
+    """``distributed(tp=N)`` keeps the split layers replicated over "dp": DDP takes no DTensor
+    parameters, so more than one data-parallel rank needs ``sharded(tp=N)`` (FSDP2 over "dp")."""
+    where = job.coordinates
+    if tensor is not None and plan is None and where.dp_size > 1:
+        raise ConfigurationError(
+            f"distributed(tp={tensor.size}) on {where.world_size} processes leaves "
+            f"{where.dp_size} data-parallel groups, and DDP cannot average the gradients of "
+            f"tensor-parallel (DTensor) parameters. Use sharded(tp={tensor.size}) (FSDP2 over "
+            f"the data-parallel ranks, torchtitan's recipe), or start {tensor.size} processes.")
 
 
 def _check_comm_hook(plan: _fsdp.ShardingPlan | None, *options: DistributedOptions) -> None:
@@ -124,9 +148,11 @@ class DistributedRuntime(Concern):
     slot, order = "distributed", 0
     job: Job
 
-    def __init__(self, job: Job, plan: _fsdp.ShardingPlan | None = None) -> None:
+    def __init__(self, job: Job, plan: _fsdp.ShardingPlan | None = None,
+                 tensor: TensorPlan | None = None) -> None:
         self.job = job
         self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
+        self.tensor = tensor  # tp=N: tensor parallelism (then FSDP2 over "dp" under sharded())
 
     # ---- a top-level module call ---------------------------------------------------------------
     @override
@@ -137,7 +163,10 @@ class DistributedRuntime(Concern):
         progress.mark(FORWARD)
         engine: Engine | None
         try:
-            if self.plan is None:
+            if self.tensor is not None:
+                call.target, engine = _tensor_parallel.prepare(
+                    job, call.module, call.grad, self.tensor, self.plan, session)
+            elif self.plan is None:
                 call.target, engine = _replicate.prepare(job, call.module, call.grad)
             else:
                 call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
@@ -146,8 +175,9 @@ class DistributedRuntime(Concern):
                 check_first_inputs(job, call, session)
         except Exception as exc:
             # the engine's setup broadcasts rank 0's weights
-            _blame.reraise(job, exc, "forward (setting up DDP)" if self.plan is None
-                           else "forward (sharding the model)")
+            _blame.reraise(job, exc, "forward (splitting the model over tp)"
+                           if self.tensor is not None else "forward (setting up DDP)"
+                           if self.plan is None else "forward (sharding the model)")
             raise
         call.engine = engine
         if not call.grad:
@@ -215,5 +245,5 @@ class DistributedRuntime(Concern):
 
     @override
     def prepare_for_load(self, objects: dict[str, Any], session: Session) -> None:
-        _replicate.prepare_for_load(self.job, self.plan, objects, session)
+        _replicate.prepare_for_load(self.job, self.plan, objects, session, self.tensor)
 

@@ -69,8 +69,11 @@ class ShardedEngine:
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         if value != self._sync:
-            self.module.set_requires_gradient_sync(value)  # type: ignore[operator]
+            self.switch_sync(value)
             self._sync = value
+
+    def switch_sync(self, value: bool) -> None:  # the engine's own switch
+        self.module.set_requires_gradient_sync(value)  # type: ignore[operator]
 
 
 def prepare(job: Job, module: nn.Module, grad: bool, plan: ShardingPlan, session: Session
@@ -124,7 +127,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
         _check_meta_init(module)
     _check_blocks(module, plan.blocks)
     before = dict(module.named_parameters())
-    settle_dtypes(module, find_blocks(module, plan.blocks), _compute_dtype(), job.rank == 0)
+    settle_dtypes(module, find_blocks(module, plan.blocks), compute_dtype(), job.rank == 0)
     if sharding:
         _shard(job, module, plan, meta)
     elif meta:  # one process: nothing to shard, but the model must exist
@@ -140,7 +143,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
 def _shard(job: Job, module: nn.Module, plan: ShardingPlan, meta: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    options = _shard_options(job, plan)
+    options = shard_options(job, plan)
     blocks = find_blocks(module, plan.blocks)
 
     def shard_block(block: nn.Module) -> None:
@@ -151,16 +154,16 @@ def _shard(job: Job, module: nn.Module, plan: ShardingPlan, meta: bool) -> None:
             _materialise(module, blocks, job.device, shard_block)
     else:
         for block in blocks:
-            _broadcast_from_rank0(job, block)
+            broadcast_from_rank0(job, block)
             shard_block(block)
-        _broadcast_from_rank0(job, module)  # the root's own parameters and buffers
+        broadcast_from_rank0(job, module)  # the root's own parameters and buffers
     fully_shard(module, **options)
 
 
-def _shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
+def shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    dtype = _compute_dtype()
+    dtype = compute_dtype()
     if plan.cpu_offload and job.device.type == "cpu":
         raise ConfigurationError(
             "sharded(cpu_offload=True) keeps parameters on the CPU between uses of an "
@@ -178,7 +181,7 @@ def _shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
     }
 
 
-def _compute_dtype() -> torch.dtype | None:
+def compute_dtype() -> torch.dtype | None:
     """The compute dtype of the open precision concern (fixed for the model at sharding)."""
     stack = _state.current()
     for concern in stack.concerns if stack is not None else ():
@@ -250,7 +253,7 @@ def _find_repeated(module: nn.Module, found: list[nn.Module]) -> None:
             found.extend(p for p in parts if any(True for _ in p.parameters()))
 
 
-def _broadcast_from_rank0(job: Job, module: nn.Module) -> None:
+def broadcast_from_rank0(job: Job, module: nn.Module) -> None:
     """Rank 0's values of the parameters and buffers ``module`` holds that are not sharded
     yet, moved to the job's device first (blocks one at a time: the full model never is)."""
     from torch.distributed.tensor import DTensor

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.nn.utils import clip_grad as _stock
@@ -85,10 +86,10 @@ def _total_norm(
     foreach: bool | None,
 ) -> torch.Tensor:
     norms = []
-    if plain:
-        norms.append(_whole(get_total_norm(plain, norm_type, False, foreach)))
-    if scaled:
-        norms.append(_whole(get_total_norm(scaled, norm_type, False, foreach)) / scale)
+    for group in _by_mesh(plain):
+        norms.append(_whole(get_total_norm(group, norm_type, False, foreach)))
+    for group in _by_mesh(scaled):
+        norms.append(_whole(get_total_norm(group, norm_type, False, foreach)) / scale)
     if not norms:
         return torch.tensor(0.0)
     if len(norms) == 1:
@@ -96,6 +97,16 @@ def _total_norm(
     stacked = torch.stack([n.to(norms[0].device) for n in norms])
     total: torch.Tensor = torch.linalg.vector_norm(stacked, norm_type)
     return total
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by device mesh (plain ones together): torch's norm and clip refuse
+    DTensors of different meshes in one call (tensor parallelism's 2-D parameters beside the
+    ones the plan left on the data-parallel mesh)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault(getattr(tensor, "device_mesh", None), []).append(tensor)
+    return list(groups.values())
 
 
 def _whole(norm: torch.Tensor) -> torch.Tensor:
@@ -150,7 +161,8 @@ def clip_grad_norm_(
             "by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     if plain or scaled:
-        clip_grads_with_norm_(params, max_norm, total, foreach)
+        for group in _by_mesh([p for p in params if p.grad is not None]):
+            clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
 
 

@@ -1,0 +1,246 @@
+"""The tensor-parallel engine: what a top-level call of a model runs under ``tp=N``.
+
+A model's first top-level call outside rank-only code adopts it and, in torchtitan's order:
+every rank takes rank 0's weights (a broadcast, as DDP's engine does); torch's
+``parallelize_module`` splits the planned layers over the "tp" dimension of the job's
+``("dp", "tp")`` mesh (``Job.tp_mesh``: groups of consecutive ranks); under ``sharded()``,
+``fully_shard`` then shards every parameter over the "dp" dimension (blocks, then the root).
+The replaced parameters are recorded in the job's ``Adoption``, so every optimizer follows them.
+
+The plan is the scope's ``tp_plan`` or the one the model declares (transformers'
+``config.base_model_tp_plan`` and ``_tp_plan``); none is guessed. It is checked before anything
+is split: every pattern names a module, each split dimension and each head count the modules on
+the way declare divides by ``tp``. A parameter tied to a module the plan leaves alone (tied
+embeddings) keeps its module replicated, so the tie holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from typing_extensions import override
+
+from .._core import state as _state
+from .._core.session import Session
+from .._distributed.job import Job
+from .._warn import warn_user
+from ..errors import ConfigurationError
+from . import adopt as _adopt
+from . import fsdp as _fsdp
+from . import records as _records
+from .fsdp_dtypes import settle_dtypes
+from .tp_plan import EXAMPLE, TensorPlan, matches
+
+# attributes that count attention heads, in the modules on the way to a planned layer
+_HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
+                "n_kv_heads", "num_kv_heads")
+
+
+class TensorEngine(_fsdp.ShardedEngine):
+    """A tensor-parallel model's engine: the sync switch is FSDP2's when the model is also
+    sharded over "dp", else there is no gradient reduction to hold back (each TP group computes
+    its gradients whole, and the job has one data-parallel rank)."""
+
+    def __init__(self, module: nn.Module, sharded: bool) -> None:
+        super().__init__(module)
+        self.sharded = sharded
+
+    @override
+    def switch_sync(self, value: bool) -> None:
+        if self.sharded:
+            super().switch_sync(value)
+
+
+def prepare(job: Job, module: nn.Module, grad: bool, tensor: TensorPlan,
+            sharding: _fsdp.ShardingPlan | None, session: Session
+            ) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
+    """What to call for a top-level call of ``module``, and its engine (or None)."""
+    record = _records.module_record(module)
+    if record is None or record.owner is not job.root:
+        if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
+                module):
+            return module, None  # the user's own engine: leave it to them
+        record = _adopt.adopt(job, module)
+    if not record.root:
+        return module, None  # a part of a split model: its own hooks redistribute
+    if record.engine is None:
+        if _state.rank_only() is not None and job.world_size > 1:
+            return module, None  # splitting is collective: wait for every rank
+        record.engine = parallelize(job, module, tensor, sharding, session) or False
+    engine = record.engine
+    if isinstance(engine, nn.parallel.DistributedDataParallel):
+        raise ConfigurationError(
+            f"this {type(module).__name__} already trains with DDP in this job: its first call "
+            f"with gradients ran under distributed() without tp=. Open the tp={tensor.size} "
+            "scope before the model's first call.")
+    if not isinstance(engine, _fsdp.ShardedEngine):
+        return module, None
+    _fsdp.check_call(job, module, grad)
+    return module, engine
+
+
+def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
+                sharding: _fsdp.ShardingPlan | None, session: Session) -> TensorEngine | None:
+    """Split ``module`` over "tp" (and shard it over "dp" under ``sharded()``); point the known
+    optimizers at its new parameters. None: nothing to split (no parameters, one process)."""
+    if not any(True for _ in module.parameters()) or not dist.is_initialized():
+        return None
+    if any(t.is_meta for t in module.parameters()):
+        raise ConfigurationError(
+            f"tp={tensor.size}: this {type(module).__name__} was built on the meta device, which "
+            "tensor parallelism does not take yet. Build it on the CPU (the default device).")
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    styles = resolve(module, tensor)
+    before = dict(module.named_parameters())
+    _adopt.move_to_device(job, module)
+    _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
+    mesh = job.tp_mesh
+    parallelize_module(module, mesh["tp"], styles)
+    sharded = sharding is not None and job.coordinates.dp_size > 1
+    if sharded:
+        assert sharding is not None
+        blocks = _fsdp.find_blocks(module, sharding.blocks)
+        settle_dtypes(module, blocks, _fsdp.compute_dtype(), job.rank == 0)
+        options = _fsdp.shard_options(job, sharding)
+        for block in blocks:
+            fully_shard(block, **options)
+        fully_shard(module, **options)
+    _adopt.record_replaced(job, before, module)
+    for optimizer in list(session.optimizers.keys()):
+        _adopt.adopt_optimizer(job, optimizer)  # met before: point them at the new parameters
+    return TensorEngine(module, sharded)
+
+
+# ---- the plan ------------------------------------------------------------------------------------
+def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
+    """The plan for ``module``: module name -> torch ParallelStyle, checked."""
+    declared = tensor.styles if tensor.styles is not None else declared_plan(module)
+    kind = type(module).__name__
+    if declared is None:
+        raise ConfigurationError(
+            f"tp={tensor.size}: this {kind} declares no tensor-parallel plan, and none was "
+            "given. Say which layers split how (a guessed plan could split attention heads "
+            f"wrongly without a word), e.g. sharded(tp={tensor.size}, {EXAMPLE}): 'colwise' "
+            "for the layers whose outputs are per head (q, k, v, MLP up), 'rowwise' for the "
+            "ones that bring them back (attention output, MLP down).")
+    names = [name for name, _ in module.named_modules() if name]
+    chosen: dict[str, Any] = {}
+    for pattern, style in declared:
+        found = [name for name in names if matches(pattern, name)]
+        if not found:
+            near = [n for n in names if n.split(".")[-1] == pattern.split(".")[-1]][:3] or [
+                n for n in names if not n.split(".")[-1].isdigit()][:6]
+            raise ConfigurationError(
+                f"tp_plan: {pattern!r} names no module of this {kind} ('*' stands for one "
+                f"path segment). Modules it has: {', '.join(near) or 'none'}. Write the paths "
+                "as model.named_modules() names them.")
+        for name in found:
+            chosen[name] = style
+    _leave_tied(module, chosen)
+    _check_divisible(module, chosen, tensor.size)
+    return {name: _style(style) for name, style in chosen.items()}
+
+
+def declared_plan(module: nn.Module) -> tuple[tuple[str, Any], ...] | None:
+    """The plan a transformers model declares: its config's ``base_model_tp_plan`` (paths in
+    the base model, under ``base_model_prefix``) and its own ``_tp_plan``; None without one."""
+    plan: dict[str, Any] = {}
+    base = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(module, "base_model_prefix", "")
+        inside = isinstance(prefix, str) and prefix and isinstance(
+            getattr(module, prefix, None), nn.Module)
+        plan.update({f"{prefix}.{key}" if inside else key: style for key, style in base.items()})
+    own = getattr(module, "_tp_plan", None)
+    if isinstance(own, dict):
+        plan.update(own)
+    return tuple(plan.items()) or None
+
+
+def _style(style: Any) -> Any:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    if not isinstance(style, str):
+        return style
+    makers: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+            "sequence_parallel": SequenceParallel}
+    made = makers.get(style)
+    if made is None:
+        raise ConfigurationError(
+            f"tp_plan: the style {style!r} (declared by the model) is not one accel_ctx applies; "
+            "give the plan yourself with 'colwise', 'rowwise' or torch ParallelStyles "
+            f"(sharded(tp=..., {EXAMPLE})).")
+    return made()
+
+
+def _leave_tied(module: nn.Module, chosen: dict[str, Any]) -> None:
+    """Drop the planned modules whose parameters another module shares (tied embeddings):
+    splitting one side would untie them. They stay replicated over "tp"."""
+    owners: dict[int, list[str]] = {}
+    for name, sub in module.named_modules(remove_duplicate=False):
+        for param in sub._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(name)
+    for name in list(chosen):
+        sub = module.get_submodule(name)
+        tied = [other for p in sub._parameters.values() if p is not None
+                for other in owners[id(p)] if other != name]
+        if tied:
+            del chosen[name]
+            if _state.coordinates().rank == 0:
+                warn_user(f"tp_plan: {name} shares its weight with {tied[0]} (tied), so it stays "
+                          "whole on every rank rather than split; leave it out of the plan to "
+                          "silence this.", RuntimeWarning)
+
+
+def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None:
+    """Each split dimension and each declared head count divides by ``tp``, before any split."""
+    problems: list[str] = []
+    for name, style in chosen.items():
+        sub = module.get_submodule(name)
+        if isinstance(style, str) and style in ("colwise", "rowwise", "colwise_rep",
+                                                "rowwise_rep"):
+            dims = {nn.Linear: ("out_features", "in_features"),
+                    nn.Embedding: ("embedding_dim", "num_embeddings")}
+            pair = next((d for cls, d in dims.items() if isinstance(sub, cls)), None)
+            if pair is None:
+                raise ConfigurationError(
+                    f"tp_plan: {name} is a {type(sub).__name__}; '{style}' splits an nn.Linear "
+                    "or nn.Embedding. Name the Linear layers inside it, or give a torch "
+                    "ParallelStyle that handles this module.")
+            attr = pair[0] if style.startswith("colwise") else pair[1]
+            size = getattr(sub, attr)
+            if size % tp:
+                problems.append(f"{name}.{attr} = {size}")
+        path = name.split(".")
+        for depth in range(len(path)):
+            owner = module.get_submodule(".".join(path[:depth]))
+            for attr in _HEAD_COUNTS:
+                count = getattr(owner, attr, None)
+                where = ".".join([*path[:depth], attr]) or attr
+                if isinstance(count, int) and not isinstance(count, bool) and count % tp:
+                    problems.append(f"{where} = {count}")
+    config = getattr(module, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        count = getattr(config, attr, None)
+        if isinstance(count, int) and count % tp:
+            problems.append(f"config.{attr} = {count}")
+    if problems:
+        unique = list(dict.fromkeys(problems))
+        raise ConfigurationError(
+            f"tp={tp}: {', '.join(unique[:4])} cannot be split over {tp} ranks (each rank must "
+            f"hold whole heads and equal parts). Pick a tp that divides "
+            f"{' and '.join(u.rsplit(' = ', 1)[1] for u in unique[:2])}, or leave those "
+            "modules out of tp_plan.")

@@ -1,0 +1,92 @@
+"""Tensor-parallel plans: which module paths split their weights how (``tp=``, ``tp_plan=`` of
+``sharded()`` and ``distributed()``), checked where they are given.
+
+A plan maps module path patterns to styles. ``*`` matches one path segment
+(``layers.*.attn.q_proj``, as torchtitan's and transformers' plans write them). A style is
+``"colwise"`` (split the output features), ``"rowwise"`` (split the input features, sum the
+outputs), their transformers spellings ``"colwise_rep"`` / ``"rowwise_rep"``,
+``"sequence_parallel"``, or any torch ``ParallelStyle``.
+
+Examples:
+    >>> from accel_ctx._engines.tp_plan import parse_tp, matches
+    >>> plan = parse_tp(2, {"layers.*.attn.q_proj": "colwise"}, "sharded")
+    >>> plan.size, plan.styles
+    (2, (('layers.*.attn.q_proj', 'colwise'),))
+    >>> matches("layers.*.attn.q_proj", "layers.3.attn.q_proj"), matches("layers.*", "layers.3.attn")
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigurationError
+
+STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
+"""The styles a plan may name by string (torch's ``ParallelStyle`` objects are taken as well)."""
+
+EXAMPLE = ('tp_plan={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise", '
+           '"layers.*.attn.v_proj": "colwise", "layers.*.attn.out_proj": "rowwise", '
+           '"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}')
+"""How a plan is written (quoted in the errors that ask for one)."""
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """Tensor parallelism asked of a scope: the group size and the plan (None: the model's own)."""
+
+    size: int
+    styles: tuple[tuple[str, Any], ...] | None = None
+    """(pattern, style) pairs in the order given; None reads the plan the model declares."""
+
+
+def matches(pattern: str, path: str) -> bool:
+    """``path`` (a module name) fits ``pattern``, where ``*`` stands for one path segment."""
+    parts, names = pattern.split("."), path.split(".")
+    return len(parts) == len(names) and all(
+        fnmatch.fnmatchcase(name, part) for part, name in zip(parts, names, strict=True))
+
+
+def _is_style(value: object) -> bool:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    return isinstance(value, ParallelStyle)
+
+
+def parse_tp(tp: object, tp_plan: object, call: str = "distributed") -> TensorPlan | None:
+    """``tp`` and ``tp_plan`` as given to ``call()``, checked; None without tensor parallelism."""
+    if tp is None:
+        if tp_plan is not None:
+            raise ConfigurationError(
+                f"{call}(tp_plan=...) without tp=: say over how many ranks each layer is split, "
+                f"e.g. {call}(tp=2, tp_plan=...).")
+        return None
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ConfigurationError(
+            f"{call}(tp={tp!r}): give the number of ranks that split each layer (an int >= 1 "
+            "that divides the number of processes, usually the GPUs of one machine), or None.")
+    if tp_plan is None:
+        return TensorPlan(tp) if tp > 1 else None
+    if not isinstance(tp_plan, Mapping) or not tp_plan:
+        raise ConfigurationError(
+            f"{call}(tp_plan={tp_plan!r}): give a dict of module path patterns to styles, "
+            f"e.g. {EXAMPLE}; or leave it None for a model that declares its own plan "
+            "(transformers' models do).")
+    styles: list[tuple[str, Any]] = []
+    for key, style in tp_plan.items():
+        if not isinstance(key, str) or not key or any(not part for part in key.split(".")):
+            raise ConfigurationError(
+                f"{call}(tp_plan=...): the key {key!r} is not a module path; write paths as "
+                "model.named_modules() names them, '*' for one segment (\"layers.*.mlp.up\").")
+        if isinstance(style, str) and style.lower() in STYLE_NAMES:
+            style = style.lower()
+        elif not _is_style(style):
+            raise ConfigurationError(
+                f"{call}(tp_plan=...): {key!r} has the style {style!r}; give one of "
+                f"{', '.join(repr(n) for n in STYLE_NAMES)} or a torch ParallelStyle "
+                "(torch.distributed.tensor.parallel.ColwiseParallel(...)).")
+        styles.append((key, style))
+    return TensorPlan(tp, tuple(styles)) if tp > 1 else None

@@ -1,0 +1,198 @@
+"""Tensor-parallel workers: a GPT-shaped model whose attention splits by heads, trained by the
+plain loop under ``sharded(tp=2)`` (4 ranks: 2 data-parallel x 2 tensor-parallel) and
+``distributed(tp=2)`` (2 ranks), and the misuses a user can make of ``tp=``.
+
+``train`` is the user's script: it runs unchanged in one process (the reference, batch dp·b)
+and on the ranks (batch b). The model is written as tensor parallelism needs it written: the
+attention reshapes with ``-1`` heads (each rank holds its share), its LayerNorms, embeddings and
+the tied ``lm_head`` stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from accel_ctx import (
+    accumulate,
+    clip_grad_norm_,
+    distributed,
+    load_state,
+    mixed_precision,
+    save_state,
+    sharded,
+    state,
+)
+from accel_ctx.errors import ConfigurationError
+
+from .._timeouts import scaled
+from .sharded import full_weights, tokens
+
+VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 4, 2, 8
+HEAD_DIM = WIDTH // HEADS
+
+PLAN = {
+    "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
+    "layers.*.attn.o": "rowwise", "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.n_heads = heads
+        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
+        self.o = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, -1, HEAD_DIM).transpose(1, 2) for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.attn, self.mlp = Attention(heads), MLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, blocks in a ModuleList, lm_head tied to the embedding."""
+
+    def __init__(self, heads: int = HEADS) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(CONTEXT, WIDTH)
+        self.layers = nn.ModuleList(Block(heads) for _ in range(LAYERS))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.layers:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+@contextlib.contextmanager
+def scope(kind: str, k: int = 1) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        if kind == "sharded":
+            stack.enter_context(sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)))
+        elif kind == "distributed":
+            stack.enter_context(distributed(tp=2, tp_plan=PLAN, timeout=scaled(60)))
+        if k > 1:
+            stack.enter_context(accumulate(k))
+        yield
+
+
+def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
+          clip: float | None = None, precision: str = "no") -> dict[str, Any]:
+    """The plain loop, in the scope ``kind`` names ("plain": none)."""
+    with scope(kind, k), mixed_precision(precision):
+        torch.manual_seed(0)
+        model = GPT()
+        computed: set[str] = set()
+        model.layers[0].attn.q.register_forward_hook(
+            lambda m, args, out: computed.add(str(out.dtype)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
+        seen: list[list[int]] = []
+        for _ in range(epochs):
+            for x, y in loader:
+                seen.append(x[:, 0].tolist())
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+                if clip is not None:
+                    clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+        where = state()
+        return {"weights": full_weights(model), "seen": seen,
+                "where": {k: getattr(where, k) for k in
+                          ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
+                "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
+                "master": sorted({str(p.dtype) for p in model.parameters()}),
+                "split": type(model.layers[0].attn.q.weight).__name__}
+
+
+@contextlib.contextmanager
+def _refusal(into: dict[str, str], name: str) -> Iterator[None]:
+    try:
+        yield
+    except ConfigurationError as exc:
+        into[name] = str(exc)
+    else:
+        into[name] = "no error"
+
+
+def misuse() -> dict[str, str]:
+    """Each mistake on 4 ranks: a clear error on every rank, none a hang."""
+    said: dict[str, str] = {}
+    with _refusal(said, "tp_not_dividing"), sharded(tp=3, tp_plan=PLAN, timeout=scaled(60)):
+        pass
+    with _refusal(said, "distributed_with_dp"), distributed(tp=2, tp_plan=PLAN,
+                                                            timeout=scaled(60)):
+        pass
+    with sharded(tp=2, timeout=scaled(60)), _refusal(said, "no_plan"):
+        GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
+    typo = {**PLAN, "layers.*.attn.qq": "colwise"}
+    with sharded(tp=2, tp_plan=typo, timeout=scaled(60)), _refusal(said, "missing_module"):
+        GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with sharded(tp=4, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "heads"):
+        GPT(heads=2)(torch.zeros(2, CONTEXT, dtype=torch.long))
+    return said
+
+
+def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
+                   resume: bool = False) -> dict[str, Any]:
+    """The resumable loop under sharded(tp=2): saves at micro-step ``stop``, or resumes."""
+    with scope("sharded"):
+        torch.manual_seed(0)
+        model = GPT()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
+        if resume:
+            torch.manual_seed(1234)  # what the process drew before must not matter
+            load_state(ckpt, model=model, optimizer=opt, loader=loader)
+        loaded = full_weights(model) if resume else None
+        for micro, (x, y) in enumerate(loader, 1):
+            F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+            if micro == stop:
+                save_state(ckpt, model=model, optimizer=opt, loader=loader)
+                break
+        return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
+
+
+def four_ranks(batch: int, root: str) -> dict[str, Any]:
+    """Everything the 4-rank tests check, in one spawn."""
+    return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
+            "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
+            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
+            "clip": train("sharded", batch, clip=0.05),
+            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2)}
