@@ -105,6 +105,13 @@ def test_the_ranks_of_a_tp_group_get_the_same_batches_and_the_groups_split_the_d
     assert [a + b for a, b in zip(seen[0], seen[2], strict=True)] == one
 
 
+def test_gather_for_metrics_counts_each_sample_once_not_once_per_tp_rank(four):
+    once = w.train("plain", BATCH * 2)["evaluated"]
+    assert len(once) == 10
+    for result in four:
+        assert result["sharded"]["evaluated"] == once
+
+
 def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
     for result in four:
         said = result["misuse"]

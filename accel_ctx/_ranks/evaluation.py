@@ -73,6 +73,8 @@ def gather_for_metrics(obj: T) -> T:
     job.root.metric_gathers += 1  # this evaluation's results meet the other ranks (_eval_passes)
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
+    # The ranks of a tensor-parallel group evaluate the same batch: one of them speaks for it.
+    padding = padding or job.coordinates.tp_rank != 0
     if iteration is not None and iteration.uneven is not None:
         iteration.uneven.note_gather(obj, iteration.index)  # even_batches=False: see _join
     if iteration is not None and _sampler_padded(iteration):

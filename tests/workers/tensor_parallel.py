@@ -23,6 +23,7 @@ from accel_ctx import (
     accumulate,
     clip_grad_norm_,
     distributed,
+    gather_for_metrics,
     load_state,
     mixed_precision,
     save_state,
@@ -130,8 +131,12 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
                     clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
+        evaluated = []
+        with torch.no_grad():  # gather_for_metrics: each sample once, not once per TP rank
+            for x, _ in DataLoader(tokens(10), batch_size=batch):
+                evaluated += gather_for_metrics(x[:, 0]).tolist()
         where = state()
-        return {"weights": full_weights(model), "seen": seen,
+        return {"weights": full_weights(model), "seen": seen, "evaluated": evaluated,
                 "where": {k: getattr(where, k) for k in
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
                 "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
