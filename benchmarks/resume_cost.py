@@ -86,6 +86,9 @@ def _ratio(pairs: list[tuple[float, float]]) -> str:
 
 
 def main() -> None:
+    # One thread for the loop, as every benchmark here: the second core is the background
+    # writer's, as the host's cores are beside a GPU's training.
+    torch.set_num_threads(1)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60)
