@@ -384,6 +384,26 @@ def test_a_signal_before_the_first_step_saves_that_step_and_the_next_run_goes_on
     assert run_once(False) == [2, 3]
 
 
+def test_a_signal_during_the_restore_saves_at_the_first_boundary_and_keeps_the_previous(
+        tmp_path, monkeypatch, capsys):
+    from accel_ctx._checkpoint import restore
+
+    _train(tmp_path, 9, stop_at=2, every_steps=1)  # checkpoints of steps 1 and 2
+    real = restore.Checkpoint.restore_session
+
+    def signalled(self: Any, *args: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives while the run restores
+        return real(self, *args)
+
+    monkeypatch.setattr(restore.Checkpoint, "restore_session", signalled)
+    with pytest.raises(SystemExit) as ended:
+        _train(tmp_path, 9, every_steps=5)
+    assert ended.value.code == 128 + signal.SIGTERM
+    assert "SIGTERM received: saved" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
+        "ckpt-000002-step2", "ckpt-000003-step3"]
+
+
 def _gan(folder: Path, steps: int, stop_at: int | None = None) -> dict[str, Any] | None:
     """A second model and optimizer met only every 4th step (a critic, an evaluation model)."""
     try:

@@ -265,8 +265,10 @@ def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
     runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
     folder = find.choose(root, rank, world, False)
     checkpoint = Checkpoint(folder, rank, world) if folder is not None else None
-    runtime.open(stack, checkpoint, group, rank, world)
+    # Before the restore: a signal while it runs is kept for the first boundary (a kill
+    # while restoring would lose nothing, but could not say why it ended).
     runtime.uninstall = runtime.signals.install()
+    runtime.open(stack, checkpoint, group, rank, world)
     if checkpoint is not None and rank == 0:
         from .resume_run import log
 
