@@ -26,6 +26,7 @@ from accel_ctx import (
     gather_for_metrics,
     load_state,
     mixed_precision,
+    save_model,
     save_state,
     sharded,
     state,
@@ -110,16 +111,24 @@ def scope(kind: str, k: int = 1) -> Iterator[None]:
         yield
 
 
-def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
-          clip: float | None = None, precision: str = "no") -> dict[str, Any]:
-    """The plain loop, in the scope ``kind`` names ("plain": none)."""
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | None = None,
+          precision: str = "no", optimizer: str = "sgd", save: str | None = None
+          ) -> dict[str, Any]:
+    """The plain loop, in the scope ``kind`` names ("plain": none); ``save``: save_model there
+    after training."""
     with scope(kind, k), mixed_precision(precision):
         torch.manual_seed(0)
         model = GPT()
         computed: set[str] = set()
         model.layers[0].attn.q.register_forward_hook(
             lambda m, args, out: computed.add(str(out.dtype)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = make_optimizer(model, optimizer)
         loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
         seen: list[list[int]] = []
         for _ in range(epochs):
@@ -136,6 +145,8 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
             for x, _ in DataLoader(tokens(10), batch_size=batch):
                 evaluated += gather_for_metrics(x[:, 0]).tolist()
         where = state()
+        if save is not None:
+            save_model(model, save)
         return {"weights": full_weights(model), "seen": seen, "evaluated": evaluated,
                 "where": {k: getattr(where, k) for k in
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
@@ -190,14 +201,34 @@ def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
             opt.zero_grad()
             if micro == stop:
                 save_state(ckpt, model=model, optimizer=opt, loader=loader)
+                save_model(model, f"{ckpt}.model.pt")
                 break
         return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
+
+
+def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
+    """distributed(tp=2) on 2 ranks: the loop, save_model of a TP-only model, and the 2x2
+    checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
+    out = {"train": train("distributed", batch, save=f"{root}/tp_only.pt")}
+    with scope("distributed"):
+        torch.manual_seed(5)  # other weights than the checkpoint's
+        model = GPT()
+        opt = make_optimizer(model, "sgd")
+        load_state(ckpt, model=model, optimizer=opt)
+        out["resharded"] = full_weights(model)
+        out["resharded_split"] = type(model.layers[0].attn.q.weight).__name__
+        x, y = next(iter(DataLoader(tokens(32), batch_size=batch)))
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        out["stepped"] = full_weights(model)
+    return out
 
 
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
             "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
-            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
+            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),
+            "sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2)}
