@@ -231,4 +231,5 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
             "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),
             "sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05),
-            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2)}
+            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
+            "adamw": train("sharded", batch, optimizer="adamw")}
