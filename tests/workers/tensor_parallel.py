@@ -34,6 +34,7 @@ from accel_ctx import (
 from accel_ctx.errors import ConfigurationError
 
 from .._timeouts import scaled
+from .common import by_hand
 from .sharded import full_weights, tokens
 
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 4, 2, 8
@@ -206,6 +207,44 @@ def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
         return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
 
 
+def by_hand_bf16(batch: int) -> dict[str, torch.Tensor]:
+    """The hand-written recipe sharded(tp=2) + mixed_precision("bf16") stands for, on 4 ranks
+    (torchtitan's order): parallelize_module over "tp" with the same plan, fully_shard over "dp"
+    (blocks, then the root) with MixedPrecisionPolicy(bf16, fp32 reduce), the forward and the
+    loss under torch.autocast; data-parallel group d takes the d-th half of each global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    model = GPT()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {f"layers.{i}.{path.split('.', 2)[2]}": styles[style]()
+            for i in range(LAYERS) for path, style in PLAN.items()}
+    parallelize_module(model, mesh["tp"], plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    opt = make_optimizer(model, "sgd")
+    for x, y in DataLoader(tokens(32), batch_size=2 * batch, shuffle=True):
+        x, y = x[dp * batch:(dp + 1) * batch], y[dp * batch:(dp + 1) * batch]
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    weights = full_weights(model)
+    del model, opt
+    return weights
+
+
 def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
     """distributed(tp=2) on 2 ranks: the loop, save_model of a TP-only model, and the 2x2
     checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
@@ -232,4 +271,5 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
             "sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
-            "adamw": train("sharded", batch, optimizer="adamw")}
+            "adamw": train("sharded", batch, optimizer="adamw"),
+            "bf16_by_hand": by_hand(by_hand_bf16, batch)}
