@@ -119,13 +119,15 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 
 def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | None = None,
-          precision: str = "no", optimizer: str = "sgd", save: str | None = None
-          ) -> dict[str, Any]:
+          precision: str = "no", optimizer: str = "sgd", save: str | None = None,
+          compiled: str = "") -> dict[str, Any]:
     """The plain loop, in the scope ``kind`` names ("plain": none); ``save``: save_model there
-    after training."""
+    after training; ``compiled``: "model" or "blocks" compiled (backend="aot_eager") first."""
     with scope(kind, k), mixed_precision(precision):
         torch.manual_seed(0)
         model = GPT()
+        for part in {"model": [model], "blocks": model.layers, "": []}[compiled]:
+            part.compile(backend="aot_eager")
         computed: set[str] = set()
         model.layers[0].attn.q.register_forward_hook(
             lambda m, args, out: computed.add(str(out.dtype)))
@@ -245,6 +247,19 @@ def by_hand_bf16(batch: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+def compiled_run(batch: int) -> dict[str, str]:
+    """TP under torch.compile (the model, its wrapper, its blocks): a clear error on every
+    rank before anything is split, never a hang (torch's compiler fails on the split layers)."""
+    said: dict[str, str] = {}
+    with _refusal(said, "model"):
+        train("sharded", batch, compiled="model")
+    with sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "wrapper"):
+        torch.compile(GPT(), backend="aot_eager")(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with _refusal(said, "blocks"):
+        train("sharded", batch, compiled="blocks")
+    return said
+
+
 def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
     """distributed(tp=2) on 2 ranks: the loop, save_model of a TP-only model, and the 2x2
     checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
@@ -272,4 +287,4 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
             "adamw": train("sharded", batch, optimizer="adamw"),
-            "bf16_by_hand": by_hand(by_hand_bf16, batch)}
+            "bf16_by_hand": by_hand(by_hand_bf16, batch), "compiled": compiled_run(batch)}
