@@ -79,6 +79,14 @@ def test_a_2x2_checkpoint_resumes_bit_identical_and_loads_into_one_plain_process
     assert all(type(b) is torch.Tensor and b.abs().sum() > 0 for b in buffers)
 
 
+def test_a_2x2_checkpoint_loads_resharded_onto_tp4(four):
+    for rank, result in enumerate(four):
+        got = result["ckpt_tp4"]
+        assert got["q_rows"] == w.WIDTH // 4, rank  # split in four
+        for key, value in four[0]["ckpt_stop"]["weights"].items():
+            assert torch.equal(got["weights"][key], value), (rank, key)
+
+
 def test_save_model_of_a_tp_fsdp_model_writes_full_weights_with_the_users_keys(spawned):
     root, four = spawned
     plain = _plain_from(root / "ckpt" / "tp.model.pt")

@@ -278,11 +278,23 @@ def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
     return out
 
 
+def on_tp4(ckpt: str) -> dict[str, Any]:
+    """The 2x2 checkpoint ``ckpt`` loaded resharded onto TP 4 / DP 1 (distributed(tp=4))."""
+    with distributed(tp=4, tp_plan=PLAN, timeout=scaled(60)):
+        torch.manual_seed(5)  # other weights than the checkpoint's
+        model = GPT()
+        opt = make_optimizer(model, "sgd")
+        load_state(ckpt, model=model, optimizer=opt)
+        q = model.layers[0].attn.q.weight
+        return {"weights": full_weights(model), "q_rows": q.to_local().shape[0]}
+
+
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
             "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
             "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),
+            "ckpt_tp4": on_tp4(f"{root}/tp"),
             "sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
