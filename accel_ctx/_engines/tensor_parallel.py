@@ -58,6 +58,8 @@ def prepare(job: Job, module: nn.Module, grad: bool, tensor: TensorPlan,
             sharding: _fsdp.ShardingPlan | None, session: Session
             ) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its engine (or None)."""
+    if module._compiled_call_impl is not None or "_orig_mod" in module._modules:
+        raise _compiled(module, "", tensor.size)
     record = _records.module_record(module)
     if record is None or record.owner is not job.root:
         if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
@@ -95,6 +97,9 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
+    for name, sub in module.named_modules():
+        if name and sub._compiled_call_impl is not None:
+            raise _compiled(module, name, tensor.size)
     styles = resolve(module, tensor)
     before = dict(module.named_parameters())
     _adopt.move_to_device(job, module)
@@ -114,6 +119,19 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     for optimizer in list(session.optimizers.keys()):
         _adopt.adopt_optimizer(job, optimizer)  # met before: point them at the new parameters
     return TensorEngine(module, sharded)
+
+
+def _compiled(module: nn.Module, part: str, tp: int) -> ConfigurationError:
+    """The refusal of a compiled model (or part): on torch 2.13, dynamo fails on the split
+    layers between the graph breaks the scopes' module calls make (a RecursionError in AOT
+    tracing), whole model or blocks alike; refused before anything is split or run."""
+    inner = module._modules.get("_orig_mod")
+    kind = type(inner if inner is not None else module).__name__
+    what = f"{part} of this {kind} is" if part else f"this {kind} is"
+    return ConfigurationError(
+        f"tp={tp}: {what} compiled (.compile() or torch.compile()), and tensor parallelism "
+        "under torch.compile is not supported by accel_ctx yet (torch's compiler fails on the "
+        "split layers). Call the model uncompiled under tp=, or leave tp= out to compile it.")
 
 
 # ---- the plan ------------------------------------------------------------------------------------

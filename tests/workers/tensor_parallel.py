@@ -26,6 +26,7 @@ from accel_ctx import (
     gather_for_metrics,
     load_state,
     mixed_precision,
+    save_model,
     save_state,
     sharded,
     state,
@@ -33,6 +34,7 @@ from accel_ctx import (
 from accel_ctx.errors import ConfigurationError
 
 from .._timeouts import scaled
+from .common import by_hand
 from .sharded import full_weights, tokens
 
 VOCAB, WIDTH, HEADS, LAYERS, CONTEXT = 32, 16, 4, 2, 8
@@ -110,16 +112,26 @@ def scope(kind: str, k: int = 1) -> Iterator[None]:
         yield
 
 
-def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
-          clip: float | None = None, precision: str = "no") -> dict[str, Any]:
-    """The plain loop, in the scope ``kind`` names ("plain": none)."""
+def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | None = None,
+          precision: str = "no", optimizer: str = "sgd", save: str | None = None,
+          compiled: str = "") -> dict[str, Any]:
+    """The plain loop, in the scope ``kind`` names ("plain": none); ``save``: save_model there
+    after training; ``compiled``: "model" or "blocks" compiled (backend="aot_eager") first."""
     with scope(kind, k), mixed_precision(precision):
         torch.manual_seed(0)
         model = GPT()
+        for part in {"model": [model], "blocks": model.layers, "": []}[compiled]:
+            part.compile(backend="aot_eager")
         computed: set[str] = set()
         model.layers[0].attn.q.register_forward_hook(
             lambda m, args, out: computed.add(str(out.dtype)))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        opt = make_optimizer(model, optimizer)
         loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
         seen: list[list[int]] = []
         for _ in range(epochs):
@@ -136,6 +148,8 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1,
             for x, _ in DataLoader(tokens(10), batch_size=batch):
                 evaluated += gather_for_metrics(x[:, 0]).tolist()
         where = state()
+        if save is not None:
+            save_model(model, save)
         return {"weights": full_weights(model), "seen": seen, "evaluated": evaluated,
                 "where": {k: getattr(where, k) for k in
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
@@ -190,14 +204,99 @@ def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
             opt.zero_grad()
             if micro == stop:
                 save_state(ckpt, model=model, optimizer=opt, loader=loader)
+                save_model(model, f"{ckpt}.model.pt")
                 break
         return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
+
+
+def by_hand_bf16(batch: int) -> dict[str, torch.Tensor]:
+    """The hand-written recipe sharded(tp=2) + mixed_precision("bf16") stands for, on 4 ranks
+    (torchtitan's order): parallelize_module over "tp" with the same plan, fully_shard over "dp"
+    (blocks, then the root) with MixedPrecisionPolicy(bf16, fp32 reduce), the forward and the
+    loss under torch.autocast; data-parallel group d takes the d-th half of each global batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    torch.manual_seed(0)
+    model = GPT()
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {f"layers.{i}.{path.split('.', 2)[2]}": styles[style]()
+            for i in range(LAYERS) for path, style in PLAN.items()}
+    parallelize_module(model, mesh["tp"], plan)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    opt = make_optimizer(model, "sgd")
+    for x, y in DataLoader(tokens(32), batch_size=2 * batch, shuffle=True):
+        x, y = x[dp * batch:(dp + 1) * batch], y[dp * batch:(dp + 1) * batch]
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    weights = full_weights(model)
+    del model, opt
+    return weights
+
+
+def compiled_run(batch: int) -> dict[str, str]:
+    """TP under torch.compile (the model, its wrapper, its blocks): a clear error on every
+    rank before anything is split, never a hang (torch's compiler fails on the split layers)."""
+    said: dict[str, str] = {}
+    with _refusal(said, "model"):
+        train("sharded", batch, compiled="model")
+    with sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "wrapper"):
+        torch.compile(GPT(), backend="aot_eager")(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with _refusal(said, "blocks"):
+        train("sharded", batch, compiled="blocks")
+    return said
+
+
+def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
+    """distributed(tp=2) on 2 ranks: the loop, save_model of a TP-only model, and the 2x2
+    checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
+    out = {"train": train("distributed", batch, save=f"{root}/tp_only.pt")}
+    with scope("distributed"):
+        torch.manual_seed(5)  # other weights than the checkpoint's
+        model = GPT()
+        opt = make_optimizer(model, "sgd")
+        load_state(ckpt, model=model, optimizer=opt)
+        out["resharded"] = full_weights(model)
+        out["resharded_split"] = type(model.layers[0].attn.q.weight).__name__
+        x, y = next(iter(DataLoader(tokens(32), batch_size=batch)))
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+        opt.step()
+        out["stepped"] = full_weights(model)
+    return out
+
+
+def on_tp4(ckpt: str) -> dict[str, Any]:
+    """The 2x2 checkpoint ``ckpt`` loaded resharded onto TP 4 / DP 1 (distributed(tp=4))."""
+    with distributed(tp=4, tp_plan=PLAN, timeout=scaled(60)):
+        torch.manual_seed(5)  # other weights than the checkpoint's
+        model = GPT()
+        opt = make_optimizer(model, "sgd")
+        load_state(ckpt, model=model, optimizer=opt)
+        q = model.layers[0].attn.q.weight
+        return {"weights": full_weights(model), "q_rows": q.to_local().shape[0]}
 
 
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
             "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
-            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),"sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
+            "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),
+            "ckpt_tp4": on_tp4(f"{root}/tp"),
+            "sharded": train("sharded", batch, epochs=2), "misuse": misuse(),
             "clip": train("sharded", batch, clip=0.05),
-            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2)}
+            "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
+            "adamw": train("sharded", batch, optimizer="adamw"),
+            "bf16_by_hand": by_hand(by_hand_bf16, batch), "compiled": compiled_run(batch)}
