@@ -1,8 +1,8 @@
 """Run a function on W real processes (spawned, gloo on CPU) and collect what each returns.
 
 Rendezvous goes through a FileStore in a temporary folder (no fixed ports). A child that raises
-sends its traceback back; children still running at the timeout are killed, so a test can
-fail but never hang. The timeout is scaled by tests/_timeouts.py's factor (a busy machine), and
+sends its traceback back; children still running at the timeout print their threads' stacks
+(faulthandler, 5 s before) and are killed, so a test can fail but never hang, and says where. The timeout is scaled by tests/_timeouts.py's factor (a busy machine), and
 the ranks get that factor in their environment for the timeouts they set themselves.
 
 Ranks fork from a server that imported torch once (multiprocessing's "forkserver" with
@@ -16,6 +16,7 @@ accel_ctx imported afresh.
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
@@ -29,6 +30,7 @@ from typing import Any
 
 from . import _timeouts
 
+STACKS_ENV = "ACCEL_CTX_TEST_STACKS_AFTER"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
            "torch._dynamo", "numpy.random")
 
@@ -54,6 +56,9 @@ def _child(
 ) -> None:
     os.environ.clear()  # the test's environment, not the forkserver's
     os.environ.update(env)
+    stacks_after = float(env.get(STACKS_ENV, "0"))
+    if stacks_after > 0:  # a rank still running then prints where it is, before it is killed
+        faulthandler.dump_traceback_later(stacks_after, exit=False)
     try:
         import torch
 
@@ -102,7 +107,7 @@ def spawn(
     procs = []
     for rank in range(world):
         extra = env(rank) if env is not None else rank_env(rank, world, store_dir)
-        child_env = {**os.environ, **factor, **extra}
+        child_env = {**os.environ, **factor, **extra, STACKS_ENV: repr(max(1.0, timeout - 5.0))}
         p = ctx.Process(target=_child, args=(target, rank, world, child_env, args, results))
         p.start()
         procs.append(p)
