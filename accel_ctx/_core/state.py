@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from contextvars import ContextVar, Token
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .._distributed.coordinates import SINGLE, Coordinates
 from .._distributed.job import Job, process_job
@@ -45,6 +45,15 @@ def reset_after_fork(reset: Callable[[], None]) -> Callable[[], None]:
     a process-wide cache registers its own, in one line (appending: nothing happens at import)."""
     _fork_resets.append(reset)
     return reset
+
+
+_left_to_the_parent: list[Any] = []
+
+
+def leave_to_the_parent(objects: Any) -> None:
+    """In a forked child: keep the parent's objects (stores, writers) referenced for good, so
+    that no destructor of theirs runs here (it would act on the parent's files)."""
+    _left_to_the_parent.append(objects)
 
 
 def _after_fork_in_child() -> None:

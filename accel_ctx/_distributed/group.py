@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 from contextlib import ExitStack
 from dataclasses import replace
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -67,11 +66,10 @@ class _Stores:
         parent's store objects stay referenced, never destroyed here: a FileStore's destructor
         would unregister from the file the parent's job still rendezvouses on."""
         self._lock = threading.Lock()
-        _left_to_the_parent.append(self._stores)
+        _state.leave_to_the_parent(self._stores)
         self._stores = {}
 
 
-_left_to_the_parent: list[Any] = []
 _stores = _Stores()
 _state.reset_after_fork(_stores.forget_in_child)
 

@@ -60,11 +60,10 @@ class _Writers:
         """In a forked child: the parent's writers are the parent's to flush and close (kept
         referenced, never finalised here: a writer's destructor would flush into its files)."""
         self._lock = threading.Lock()
-        _left_to_the_parent.append(self._writers)
+        _state.leave_to_the_parent(self._writers)
         self._writers = {}
 
 
-_left_to_the_parent: list[Any] = []
 _writers = _Writers()
 _state.reset_after_fork(_writers.forget)
 
