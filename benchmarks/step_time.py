@@ -25,6 +25,11 @@ Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the 
     python benchmarks/step_time.py            # full run, a few minutes on 2 cores
     python benchmarks/step_time.py --quick    # smoke run, well under a minute
     python benchmarks/step_time.py --check    # count collectives and real steps of each side
+    python benchmarks/step_time.py --compile  # both sides call torch.compile(model) (inductor)
+
+With ``--compile`` the hand-written side is ``DDP(torch.compile(model))`` and the accel_ctx side
+calls ``torch.compile(model)`` inside the scopes (which wrap DDP around it: the same structure).
+Every block resets Dynamo, so each block compiles afresh in its untimed warm-up epoch.
 """
 
 from __future__ import annotations
@@ -88,11 +93,12 @@ class Row:
     model: str
     mode: str
     batches_per_epoch: int  # per rank; a multiple of ACCUMULATE
+    compiled: bool = False
 
     @property
     def name(self) -> str:
         mode = f"accumulate({ACCUMULATE})" if self.mode == "accum4" else self.mode
-        return f"{self.model} {mode}"
+        return f"{self.model} {mode}{' compiled' if self.compiled else ''}"
 
     @property
     def opt_steps_per_epoch(self) -> int:
@@ -153,6 +159,15 @@ def timed_epochs(
     return Sample(wall.item() / steps, cpu.item() / ctx.world / steps)
 
 
+def compiled(row: Row, model: nn.Module) -> nn.Module:
+    """``torch.compile(model)`` (inductor) for a compiled row, from a fresh Dynamo: a block's
+    model is new, and the per-code recompile limit would otherwise run later blocks eagerly."""
+    if not row.compiled:
+        return model
+    torch._dynamo.reset()
+    return torch.compile(model)  # type: ignore[return-value]
+
+
 def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
     """The loop as one writes it with DDP, DistributedSampler, autocast, GradScaler, no_sync."""
     assert_stock()
@@ -160,7 +175,7 @@ def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: 
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
     try:
         model = make_model(row.model)
-        ddp = DDP(model)
+        ddp = DDP(compiled(row, model))
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
         sampler = DistributedSampler(data, shuffle=True, seed=0)
         loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
@@ -215,12 +230,13 @@ def with_accel_ctx(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs
         if row.mode == "accum4":
             scopes.enter_context(accumulate(ACCUMULATE))
         model = make_model(row.model)
+        net = compiled(row, model)
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
         loader = DataLoader(data, batch_size=BATCH, shuffle=True)
 
         def run_epoch(epoch: int) -> None:
             for x, y in loader:
-                loss = F.cross_entropy(model(x), y)
+                loss = F.cross_entropy(net(x), y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
@@ -437,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", metavar="FILE",
                         help="cProfile rank 0's blocks: Python calls per step of both sides, "
                         "the accel_ctx side's profile into FILE (timings then invalid)")
+    parser.add_argument("--compile", action="store_true",
+                        help="both sides call torch.compile(model) (inductor; compiled in warm-up)")
     parser.add_argument("--check", action="store_true",
                         help="count collectives and real optimizer steps per side; no timing")
     args = parser.parse_args(argv)
@@ -452,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup_epochs=1,
         max_epochs=100,
         rows=tuple(
-            Row(m, mode, 8 if quick else 32) for m in args.models.split(",") if m for mode in modes
+            Row(m, mode, 8 if quick else 32, args.compile)
+            for m in args.models.split(",") if m for mode in modes
         ),
         profile=args.profile,
         check=args.check,

@@ -20,6 +20,7 @@ from torch import nn
 
 from .._data import iterate as _data
 from . import state as _state
+from . import tracing as _tracing
 from .concern import ForwardCall
 from .session import OptimizerRecord, Session
 
@@ -53,6 +54,8 @@ def top_level_call(
     """A module called outside any adopted forward: the open concerns shape and wrap the call."""
     if not stack.owned_here():  # a forked worker or a thread that inherited the context
         return stock.module_call(module, *args, **kwargs)
+    if not _tracing.registered:  # the user's code may have imported Dynamo since the scope opened
+        _tracing.register_if_dynamo_loaded()
     hooks = stack.hooks
     call = ForwardCall(module, args, kwargs, torch.is_grad_enabled())
     for before in hooks.before_forward:  # picks the engine (a broadcast from rank 0 at first)

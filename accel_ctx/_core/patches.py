@@ -42,6 +42,7 @@ from .._steps import clip as _clip
 from ..errors import PatchConflictError
 from . import gates as _gates
 from . import state as _state
+from . import tracing as _tracing
 
 _MISSING: Any = object()
 
@@ -143,9 +144,11 @@ _SCALER_GATES = {
 def _install() -> None:
     _gates.stock.backward = torch.Tensor.__dict__["backward"]
     _gates.stock.module_call = nn.Module.__dict__["__call__"]
+    module_call = _module_call_for(_gates.stock.module_call)
+    _tracing.installing(module_call)
     patches = [
-        _AttributePatch(nn.Module, "__call__", _make_module_call(_gates.stock.module_call)),
-        _AttributePatch(nn.Module, "__getattr__", _make_module_getattr(nn.Module.__dict__["__getattr__"])),
+        _AttributePatch(nn.Module, "__call__", module_call),
+        _AttributePatch(nn.Module, "__getattr__", _module_getattr_for(nn.Module.__dict__["__getattr__"])),
         _AttributePatch(_optim_module, "chain", _gates.HookChain),
         _wrap(torch.Tensor, "backward", _gates.backward),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
@@ -200,8 +203,28 @@ def _uninstall() -> None:
 # ------------------------------------------------------------------------------------------------
 # nn.Module.__call__: the hot path
 # ------------------------------------------------------------------------------------------------
+# One replacement per stock function for the life of the process: a compiled graph guards on
+# the __call__ and __getattr__ it traced, so a new scope must not bring new ones (a recompile).
+_replacements: dict[tuple[str, Any], Callable[..., Any]] = {}
+
+
+def _module_call_for(stock: Any) -> Callable[..., Any]:
+    key = ("__call__", stock)
+    if key not in _replacements:
+        _replacements[key] = _make_module_call(stock)
+    return _replacements[key]
+
+
+def _module_getattr_for(stock: Any) -> Callable[..., Any]:
+    key = ("__getattr__", stock)
+    if key not in _replacements:
+        _replacements[key] = _make_module_getattr(stock)
+    return _replacements[key]
+
+
 def _make_module_call(stock: Any) -> Callable[..., Any]:
-    get_stack = _state._STACK.get
+    # read_stack: the one object _core.tracing teaches Dynamo to trace
+    get_stack = _state.read_stack
     code = getattr(stock, "__code__", None)
     if stock is nn.Module._wrapped_call_impl and code is not None and code.co_names == (
         "_compiled_call_impl",

@@ -133,6 +133,11 @@ _STACK: ContextVar[Stack | None] = ContextVar("accel_ctx_stack", default=None)
 IN_BACKWARD: ContextVar[bool] = ContextVar("accel_ctx_in_backward", default=False)
 
 
+read_stack = _STACK.get
+"""The stack in this context (one object for the life of the process: ``_core.tracing`` tells
+Dynamo how to trace this very read in the patched ``nn.Module.__call__``)."""
+
+
 def raw() -> Stack | None:
     """The stack in this context, whoever built it (hot path: one ContextVar read)."""
     return _STACK.get()
