@@ -83,7 +83,20 @@ def _one_process(compile_how: str | None, scoped: bool):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = tokens(4)[:]
     losses = []
-    with mixed_precision("bf16") if scoped else contextlib.nullcontext():
+    from accel_ctx._core import gates
+
+    stock_gate, gate_calls = gates.top_level_call, []
+
+    def counted_gate(stack, module, *args, **kwargs):
+        gate_calls.append(module is model)  # the debugging backends call their own graphs too
+        return stock_gate(stack, module, *args, **kwargs)
+
+    # like the gate itself, the counter runs eagerly (Dynamo would trace this function's append)
+    gates.top_level_call = torch._dynamo.disable(counted_gate, recursive=False)
+    with contextlib.ExitStack() as undo:
+        undo.callback(setattr, gates, "top_level_call", stock_gate)
+        if scoped:
+            undo.enter_context(mixed_precision("bf16"))
         if compile_how == "in_place":
             model.compile(backend=compiled.BACKEND, fullgraph=True)  # raises at a graph break
         def forward(x, y):
@@ -97,6 +110,8 @@ def _one_process(compile_how: str | None, scoped: bool):
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+    # the scope's gates ran once per top-level call of the model, never inside a graph
+    assert sum(gate_calls) == (3 if scoped else 0)
     return losses, sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 

@@ -48,11 +48,18 @@ def module_device_type(module: nn.Module) -> str:
     return "cpu"
 
 
+def _compiler_graph(module: nn.Module) -> bool:
+    """A graph the compiler made, called by compiled code (AOT autograd's graphs under the
+    debugging backends): the user's model's parameters are its inputs, not its own. Not a
+    model of the user's: torch's own call, as outside any scope."""
+    return isinstance(module, torch.fx.GraphModule) and next(module.parameters(), None) is None
+
+
 def top_level_call(
     stack: _state.Stack, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """A module called outside any adopted forward: the open concerns shape and wrap the call."""
-    if not stack.owned_here():  # a forked worker or a thread that inherited the context
+    if not stack.owned_here() or _compiler_graph(module):
         return stock.module_call(module, *args, **kwargs)
     if not _tracing.registered:  # the user's code may have imported Dynamo since the scope opened
         _tracing.register_if_dynamo_loaded()
