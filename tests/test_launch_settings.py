@@ -78,7 +78,7 @@ def test_every_policy_name_means_the_same_to_the_launcher_and_to_mixed_precision
 def test_a_name_mixed_precision_refuses_the_launcher_refuses(name):
     with pytest.raises(ConfigurationError):
         mixed_precision(name)
-    with pytest.raises(ConfigurationError, match="'no', 'bf16' or 'fp16'"):
+    with pytest.raises(ConfigurationError, match="'no', 'bf16', 'fp16', 'bf16-true' or 'fp16-true'"):
         launched(["--mixed-precision", name])
 
 

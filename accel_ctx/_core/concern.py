@@ -190,6 +190,10 @@ class Concern:
         GradScaler defers to it)."""
         return None
 
+    def adopting(self, module: nn.Module) -> None:
+        """``distributed()`` adopts ``module``, before it moves and before an engine (DDP, FSDP2,
+        TP) is built over its parameters: change them in place now (true half's cast)."""
+
     def compute_dtype(self) -> torch.dtype | None:
         """The dtype an engine should compute in (a sharded model's parameter dtype), if any."""
         return None

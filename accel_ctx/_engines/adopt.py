@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._core import state as _state
 from .._core.tree import to_device
 from .._distributed.job import Job
 from . import records as _records
@@ -24,6 +25,9 @@ from . import records as _records
 def adopt(job: Job, module: nn.Module, move: bool = True) -> _records.ModuleRecord:
     """Adopt ``module`` (and its parts) into the job; returns its root record. ``move=False``
     leaves placing it to the engine (the sharded one moves it block by block)."""
+    stack = _state.current()
+    for concern in stack.concerns if stack is not None else ():
+        concern.adopting(module)  # before the move: a model cast to half moves half the bytes
     root_job = job.root
     for sub in module.modules():
         record = _records.module_record(sub)

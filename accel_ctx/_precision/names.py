@@ -7,11 +7,13 @@ Examples:
     >>> from accel_ctx._precision.names import canonical
     >>> canonical("bfloat16"), canonical("off"), canonical("fp8")
     ('bf16', 'no', None)
+    >>> canonical("16-true"), canonical("BF16-true")  # true half: the model itself in half
+    ('fp16-true', 'bf16-true')
 """
 
 from __future__ import annotations
 
-POLICIES = ("bf16", "fp16", "no")
+POLICIES = ("bf16", "fp16", "no", "bf16-true", "fp16-true")
 """The policies, by their canonical names."""
 
 ALIASES = {
@@ -22,6 +24,9 @@ ALIASES = {
     "float32": "no",
     "none": "no",
     "off": "no",
+    "16-true": "fp16-true",  # Lightning Fabric's name ("bf16-true" is the same in both)
+    "bf16_true": "bf16-true",
+    "fp16_true": "fp16-true",
 }
 """Other spellings users write, and the policy each means."""
 

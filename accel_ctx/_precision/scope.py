@@ -30,6 +30,7 @@ from .runtime import (
     policy_name,
     report_launcher_conflict,
 )
+from .true_half import open_runtime
 
 F = TypeVar("F")
 
@@ -77,7 +78,7 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
     name = os.environ.get(_env.MIXED_PRECISION_VAR)
     if not name or policy_name(name) == "no":
         return None
-    runtime = PrecisionRuntime(PrecisionPolicy(policy_name(name)), device.type)
+    runtime = open_runtime(PrecisionPolicy(policy_name(name)), device.type)
     runtime.is_default = True  # an explicit mixed_precision() scope wins over it
     _open.register(runtime)
     exits.callback(_open.unregister, runtime)
@@ -108,6 +109,12 @@ class mixed_precision(Scope):
     until a scheduler steps or the count is read. ``None`` takes the launcher's
     ``--mixed-precision`` (default ``"no"``).
     Works with or without ``distributed()``; nested, the innermost policy wins.
+
+    ``"bf16-true"`` / ``"fp16-true"`` (Fabric's ``"bf16-true"`` / ``"16-true"``) train the model
+    itself in half: at its first forward in the scope (before DDP or FSDP2 is built over it) its
+    floating parameters and buffers are cast in place, with no autocast; floating inputs are
+    cast to half and outputs stay half. Parameter and optimizer-state memory halve; there are
+    no fp32 master weights and no loss scaling (``accel_ctx._precision.true_half``).
 
     Examples:
         >>> import torch
@@ -158,7 +165,7 @@ class mixed_precision(Scope):
         )
         below = _state.current()
         device_type = below.job.device.type if below is not None and below.job else None
-        runtime = PrecisionRuntime(policy, device_type)
+        runtime = open_runtime(policy, device_type)
         _open.register(runtime)
         exits.callback(_open.unregister, runtime)
         exits.callback(runtime.close)
