@@ -211,3 +211,26 @@ def test_tp_options_are_checked_where_given(kwargs, expected):
     for scope in (sharded, distributed):
         with pytest.raises(ConfigurationError, match=re.escape(expected)):
             scope(**kwargs)
+
+
+def test_a_transformers_llama_trains_with_its_own_plan_like_one_process(four, monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed: its Llama's own "
+                        "tp plan cannot be tried")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reference = w.train_llama("plain", BATCH * 2)
+    for rank, result in enumerate(four):
+        got = result["llama"]["train"]
+        # the model's plan split it, no tp_plan given (q: 4 heads of 16 -> 2 a rank, k/v 2 -> 1,
+        # the embedding by vocabulary), and FSDP2 halves each part again over "dp"
+        assert got["local"] == {"q_proj": (64 // 4, 64), "k_proj": (32 // 4, 64),
+                                "embed_tokens": (128 // 4, 64)}, rank
+        assert got["losses"] == four[rank // 2 * 2]["llama"]["train"]["losses"], rank  # TP peers
+    # each data-parallel group's loss is over its half of the global batch
+    halves = [four[r]["llama"]["train"]["losses"] for r in (0, 2)]
+    mean = [(a + b) / 2 for a, b in zip(*halves, strict=True)]
+    torch.testing.assert_close(mean, reference["losses"], rtol=1e-5, atol=1e-6)
+    for rank, result in enumerate(four):
+        got = result["llama"]["train"]
+        _close(got["weights"], reference["weights"], f"rank {rank}: Llama, its own plan")
+        said = result["llama"]["misuse"]["kv_heads"]
+        assert "config.num_key_value_heads = 1" in said and "tp=2" in said, said

@@ -32,7 +32,7 @@ from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
-from .tp_plan import EXAMPLE, TensorPlan, matches
+from .tp_plan import EXAMPLE, SPLITS, TensorPlan, matches
 
 # attributes that count attention heads, in the modules on the way to a planned layer
 _HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
@@ -150,6 +150,8 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
     chosen: dict[str, Any] = {}
     for pattern, style in declared:
         found = [name for name in names if matches(pattern, name)]
+        if not found and tensor.styles is None:
+            continue  # a model's own plan names every variant's modules (transformers skips too)
         if not found:
             near = [n for n in names if n.split(".")[-1] == pattern.split(".")[-1]][:3] or [
                 n for n in names if not n.split(".")[-1].isdigit()][:6]
@@ -159,7 +161,8 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
                 "as model.named_modules() names them.")
         for name in found:
             chosen[name] = style
-    _leave_tied(module, chosen)
+    chosen = {name: style for name, style in chosen.items() if style != "replicate"}
+    _leave_tied(module, chosen, given=tensor.styles is not None)
     _check_divisible(module, chosen, tensor.size)
     return {name: _style(style) for name, style in chosen.items()}
 
@@ -190,10 +193,14 @@ def _style(style: Any) -> Any:
 
     if not isinstance(style, str):
         return style
-    makers: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "sequence_parallel": SequenceParallel}
+    # transformers' names mean torch's styles with these layouts (its own classes do the same)
+    gathered = ("colwise_rep", "colwise_gather_output", "embedding_colwise")
+    whole_in = ("rowwise_rep", "rowwise_split_input", "embedding_rowwise")
+    makers: dict[str, Callable[[], Any]] = {
+        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
+        **dict.fromkeys(gathered, lambda: ColwiseParallel(output_layouts=Replicate())),
+        **dict.fromkeys(whole_in, lambda: RowwiseParallel(input_layouts=Replicate())),
+        "sequence_parallel": SequenceParallel}
     made = makers.get(style)
     if made is None:
         raise ConfigurationError(
@@ -203,7 +210,7 @@ def _style(style: Any) -> Any:
     return made()
 
 
-def _leave_tied(module: nn.Module, chosen: dict[str, Any]) -> None:
+def _leave_tied(module: nn.Module, chosen: dict[str, Any], given: bool) -> None:
     """Drop the planned modules whose parameters another module shares (tied embeddings):
     splitting one side would untie them. They stay replicated over "tp"."""
     owners: dict[int, list[str]] = {}
@@ -218,9 +225,10 @@ def _leave_tied(module: nn.Module, chosen: dict[str, Any]) -> None:
         if tied:
             del chosen[name]
             if _state.coordinates().rank == 0:
+                fix = ("leave it out of the plan to silence this" if given else "the model's "
+                       "own plan names it; give tp_plan= without it to silence this")
                 warn_user(f"tp_plan: {name} shares its weight with {tied[0]} (tied), so it stays "
-                          "whole on every rank rather than split; leave it out of the plan to "
-                          "silence this.", RuntimeWarning)
+                          f"whole on every rank rather than split; {fix}.", RuntimeWarning)
 
 
 def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None:
@@ -228,8 +236,7 @@ def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None
     problems: list[str] = []
     for name, style in chosen.items():
         sub = module.get_submodule(name)
-        if isinstance(style, str) and style in ("colwise", "rowwise", "colwise_rep",
-                                                "rowwise_rep"):
+        if isinstance(style, str) and style in SPLITS:
             dims = {nn.Linear: ("out_features", "in_features"),
                     nn.Embedding: ("embedding_dim", "num_embeddings")}
             pair = next((d for cls, d in dims.items() if isinstance(sub, cls)), None)
@@ -238,7 +245,7 @@ def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None
                     f"tp_plan: {name} is a {type(sub).__name__}; '{style}' splits an nn.Linear "
                     "or nn.Embedding. Name the Linear layers inside it, or give a torch "
                     "ParallelStyle that handles this module.")
-            attr = pair[0] if style.startswith("colwise") else pair[1]
+            attr = pair[0] if SPLITS[style] == "out" else pair[1]
             size = getattr(sub, attr)
             if size % tp:
                 problems.append(f"{name}.{attr} = {size}")

@@ -4,8 +4,9 @@
 A plan maps module path patterns to styles. ``*`` matches one path segment
 (``layers.*.attn.q_proj``, as torchtitan's and transformers' plans write them). A style is
 ``"colwise"`` (split the output features), ``"rowwise"`` (split the input features, sum the
-outputs), their transformers spellings ``"colwise_rep"`` / ``"rowwise_rep"``,
-``"sequence_parallel"``, or any torch ``ParallelStyle``.
+outputs), the spellings transformers' plans use (``"colwise_rep"`` / ``"colwise_gather_output"``,
+``"rowwise_rep"`` / ``"rowwise_split_input"``, ``"embedding_rowwise"`` / ``"embedding_colwise"``,
+``"replicate"``), ``"sequence_parallel"``, or any torch ``ParallelStyle``.
 
 Examples:
     >>> from accel_ctx._engines.tp_plan import parse_tp, matches
@@ -25,8 +26,15 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
-"""The styles a plan may name by string (torch's ``ParallelStyle`` objects are taken as well)."""
+SPLITS = {"colwise": "out", "colwise_rep": "out", "colwise_gather_output": "out",
+          "embedding_colwise": "out", "rowwise": "in", "rowwise_rep": "in",
+          "rowwise_split_input": "in", "embedding_rowwise": "in"}
+"""The named styles that split a weight: "out" its output features (a Linear's rows, an
+Embedding's columns), "in" its input features (a Linear's columns, an Embedding's rows)."""
+
+STYLE_NAMES = (*SPLITS, "sequence_parallel", "replicate")
+"""The styles a plan may name by string (torch's ``ParallelStyle`` objects are taken as well):
+transformers' names for the same splits included, so its models' plans apply as they are."""
 
 EXAMPLE = ('tp_plan={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise", '
            '"layers.*.attn.v_proj": "colwise", "layers.*.attn.out_proj": "rowwise", '

@@ -11,13 +11,14 @@ the tied ``lm_head`` stay whole on every rank.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from accel_ctx import (
     accumulate,
@@ -289,6 +290,62 @@ def on_tp4(ckpt: str) -> dict[str, Any]:
         return {"weights": full_weights(model), "q_rows": q.to_local().shape[0]}
 
 
+def has_transformers() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("transformers") is not None
+
+
+def llama(kv_heads: int = 2) -> nn.Module:
+    """transformers' LlamaForCausalLM from a tiny config (no download): GQA, 4 heads, 2 of k/v."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from transformers import LlamaConfig, LlamaForCausalLM  # slow: only where a check needs it
+
+    config = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=kv_heads, vocab_size=128, intermediate_size=128,
+                         max_position_embeddings=CONTEXT)
+    return LlamaForCausalLM(config)
+
+
+def train_llama(kind: str, batch: int) -> dict[str, Any]:
+    """The plain loop over a transformers Llama, with no tp_plan: the model's own plan splits
+    it (q/k/v/gate/up colwise, o/down rowwise, the embedding by vocabulary, lm_head gathered)."""
+    with sharded(tp=2, timeout=scaled(60)) if kind == "sharded" else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = llama()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        g = torch.Generator().manual_seed(3)
+        data = torch.randint(0, 128, (16, CONTEXT + 1), generator=g)
+        loader = DataLoader(TensorDataset(data[:, :-1], data[:, 1:]), batch_size=batch)
+        for x, y in loader:
+            loss = F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        attn = model.model.layers[0].self_attn
+        return {"losses": losses, "weights": full_weights(model),
+                "local": {"q_proj": tuple(_local(attn.q_proj.weight).shape),
+                          "k_proj": tuple(_local(attn.k_proj.weight).shape),
+                          "embed_tokens": tuple(_local(model.model.embed_tokens.weight).shape)}}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def llama_run(batch: int) -> dict[str, Any] | None:
+    """transformers' Llama under sharded(tp=2) with its own plan; a config whose k/v heads
+    tp does not divide is refused (its k_proj's 16 rows would split one head in two)."""
+    if not has_transformers():
+        return None
+    said: dict[str, str] = {}
+    with sharded(tp=2, timeout=scaled(60)), _refusal(said, "kv_heads"):
+        llama(kv_heads=1)(torch.zeros(2, CONTEXT, dtype=torch.long))
+    return {"train": train_llama("sharded", batch), "misuse": said}
+
+
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
@@ -299,4 +356,5 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
             "adamw": train("sharded", batch, optimizer="adamw"),
-            "bf16_by_hand": by_hand(by_hand_bf16, batch), "compiled": compiled_run(batch)}
+            "bf16_by_hand": by_hand(by_hand_bf16, batch), "compiled": compiled_run(batch),
+            "llama": llama_run(batch)}
