@@ -16,7 +16,6 @@ embeddings) keeps its module replicated, so the tie holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
 from .tp_plan import EXAMPLE, SPLITS, TensorPlan, matches
+from .tp_styles import layout
 
 # attributes that count attention heads, in the modules on the way to a planned layer
 _HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
@@ -164,7 +164,7 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
     chosen = {name: style for name, style in chosen.items() if style != "replicate"}
     _leave_tied(module, chosen, given=tensor.styles is not None)
     _check_divisible(module, chosen, tensor.size)
-    return {name: _style(style) for name, style in chosen.items()}
+    return layout(module, chosen, tensor.size, tensor.loss_parallel)
 
 
 def declared_plan(module: nn.Module) -> tuple[tuple[str, Any], ...] | None:
@@ -181,33 +181,6 @@ def declared_plan(module: nn.Module) -> tuple[tuple[str, Any], ...] | None:
     if isinstance(own, dict):
         plan.update(own)
     return tuple(plan.items()) or None
-
-
-def _style(style: Any) -> Any:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    if not isinstance(style, str):
-        return style
-    # transformers' names mean torch's styles with these layouts (its own classes do the same)
-    gathered = ("colwise_rep", "colwise_gather_output", "embedding_colwise")
-    whole_in = ("rowwise_rep", "rowwise_split_input", "embedding_rowwise")
-    makers: dict[str, Callable[[], Any]] = {
-        "colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-        **dict.fromkeys(gathered, lambda: ColwiseParallel(output_layouts=Replicate())),
-        **dict.fromkeys(whole_in, lambda: RowwiseParallel(input_layouts=Replicate())),
-        "sequence_parallel": SequenceParallel}
-    made = makers.get(style)
-    if made is None:
-        raise ConfigurationError(
-            f"tp_plan: the style {style!r} (declared by the model) is not one accel_ctx applies; "
-            "give the plan yourself with 'colwise', 'rowwise' or torch ParallelStyles "
-            f"(sharded(tp=..., {EXAMPLE})).")
-    return made()
 
 
 def _leave_tied(module: nn.Module, chosen: dict[str, Any], given: bool) -> None:

@@ -45,6 +45,17 @@ PLAN = {
     "layers.*.attn.q": "colwise", "layers.*.attn.k": "colwise", "layers.*.attn.v": "colwise",
     "layers.*.attn.o": "rowwise", "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise",
 }
+# an untied lm_head split on the vocabulary (its output gathered, or kept split by loss_parallel)
+LOSS_PLAN = {**PLAN, "lm_head": "colwise_rep"}
+# sequence parallel on the norms: the activations between wte and lm_head split along the
+# sequence (a model without position embeddings: nothing whole is added to them)
+SEQUENCE_PLAN = {**LOSS_PLAN, "wte": "rowwise", "layers.*.ln1": "sequence_parallel",
+                 "layers.*.ln2": "sequence_parallel", "ln_f": "sequence_parallel"}
+# variant -> (model options, plan, loss_parallel)
+VARIANTS: dict[str, tuple[dict[str, bool], dict[str, str], bool]] = {
+    "": ({}, PLAN, False), "lp": ({"tied": False}, LOSS_PLAN, True),
+    "sp": ({"tied": False, "positions": False}, SEQUENCE_PLAN, False),
+    "sp_lp": ({"tied": False, "positions": False}, SEQUENCE_PLAN, True)}
 
 
 class Attention(nn.Module):
@@ -83,31 +94,35 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Token and position embeddings, blocks in a ModuleList, lm_head tied to the embedding."""
+    """Token and position embeddings, blocks in a ModuleList, lm_head tied to the embedding
+    (``tied=False``: its own weight; ``positions=False``: no position embedding)."""
 
-    def __init__(self, heads: int = HEADS) -> None:
+    def __init__(self, heads: int = HEADS, tied: bool = True, positions: bool = True) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Embedding(CONTEXT, WIDTH)
+        self.wpe = nn.Embedding(CONTEXT, WIDTH) if positions else None
         self.layers = nn.ModuleList(Block(heads) for _ in range(LAYERS))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.lm_head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.wte.weight = self.lm_head.weight  # tied, as in GPT-2
+        if tied:
+            self.wte.weight = self.lm_head.weight  # tied, as in GPT-2
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for block in self.layers:
             x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
 @contextlib.contextmanager
-def scope(kind: str, k: int = 1) -> Iterator[None]:
+def scope(kind: str, k: int = 1, variant: str = "") -> Iterator[None]:
+    _, plan, loss = VARIANTS[variant]
     with contextlib.ExitStack() as stack:
-        if kind == "sharded":
-            stack.enter_context(sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)))
-        elif kind == "distributed":
-            stack.enter_context(distributed(tp=2, tp_plan=PLAN, timeout=scaled(60)))
+        if kind in ("sharded", "distributed"):
+            stack.enter_context({"sharded": sharded, "distributed": distributed}[kind](
+                tp=2, tp_plan=plan, loss_parallel=loss, timeout=scaled(60)))
         if k > 1:
             stack.enter_context(accumulate(k))
         yield
@@ -121,12 +136,13 @@ def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
 
 def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | None = None,
           precision: str = "no", optimizer: str = "sgd", save: str | None = None,
-          compiled: str = "") -> dict[str, Any]:
+          compiled: str = "", variant: str = "") -> dict[str, Any]:
     """The plain loop, in the scope ``kind`` names ("plain": none); ``save``: save_model there
-    after training; ``compiled``: "model" or "blocks" compiled (backend="aot_eager") first."""
-    with scope(kind, k), mixed_precision(precision):
+    after training; ``compiled``: "model" or "blocks" compiled (backend="aot_eager") first;
+    ``variant``: the model, plan and loss_parallel of VARIANTS."""
+    with scope(kind, k, variant), mixed_precision(precision):
         torch.manual_seed(0)
-        model = GPT()
+        model = GPT(**VARIANTS[variant][0])
         for part in {"model": [model], "blocks": model.layers, "": []}[compiled]:
             part.compile(backend="aot_eager")
         computed: set[str] = set()
@@ -135,11 +151,15 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | N
         opt = make_optimizer(model, optimizer)
         loader = DataLoader(tokens(32), batch_size=batch, shuffle=True)
         seen: list[list[int]] = []
+        outputs, losses = set(), []
         for _ in range(epochs):
             for x, y in loader:
                 seen.append(x[:, 0].tolist())
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                logits = model(x)
+                outputs.add(type(logits).__name__)  # loss_parallel: a vocabulary-split DTensor
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 loss.backward()
+                losses.append(loss.item())
                 if clip is not None:
                     clip_grad_norm_(model.parameters(), clip)
                 opt.step()
@@ -156,7 +176,8 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | N
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
                 "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
                 "master": sorted({str(p.dtype) for p in model.parameters()}),
-                "split": type(model.layers[0].attn.q.weight).__name__}
+                "split": type(model.layers[0].attn.q.weight).__name__,
+                "outputs": sorted(outputs), "losses": losses}
 
 
 @contextlib.contextmanager
@@ -184,6 +205,17 @@ def misuse() -> dict[str, str]:
         GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
     with sharded(tp=4, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "heads"):
         GPT(heads=2)(torch.zeros(2, CONTEXT, dtype=torch.long))
+    # sequence and loss parallelism where they cannot apply: refused, not silently wrong
+    untied = {"tied": False, "positions": False}
+    for name, plan, loss, options, length in (
+            ("sp_tied", SEQUENCE_PLAN, False, {"positions": False}, CONTEXT),
+            ("lp_tied", LOSS_PLAN, True, {}, CONTEXT),
+            ("sp_odd_length", SEQUENCE_PLAN, False, untied, CONTEXT - 1),
+            ("sp_unfed", {k: v for k, v in SEQUENCE_PLAN.items() if k != "layers.*.ln1"}, False,
+             untied, CONTEXT)):
+        with sharded(tp=2, tp_plan=plan, loss_parallel=loss, timeout=scaled(60)), _refusal(
+                said, name):
+            GPT(**options)(torch.zeros(2, length, dtype=torch.long))
     return said
 
 
@@ -210,11 +242,15 @@ def checkpoint_run(ckpt: str, batch: int, *, stop: int | None = None,
         return {"weights": full_weights(model), "step": state().step, "loaded": loaded}
 
 
-def by_hand_bf16(batch: int) -> dict[str, torch.Tensor]:
-    """The hand-written recipe sharded(tp=2) + mixed_precision("bf16") stands for, on 4 ranks
-    (torchtitan's order): parallelize_module over "tp" with the same plan, fully_shard over "dp"
-    (blocks, then the root) with MixedPrecisionPolicy(bf16, fp32 reduce), the forward and the
-    loss under torch.autocast; data-parallel group d takes the d-th half of each global batch."""
+def by_hand_recipe(batch: int, bf16: bool = False,
+                   loss_parallel: bool = False) -> dict[str, torch.Tensor]:
+    """The hand-written recipe sharded(tp=2) stands for, on 4 ranks (torchtitan's order):
+    parallelize_module over "tp" with the same plan, fully_shard over "dp" (blocks, then the
+    root); data-parallel group d takes the d-th half of each global batch. ``bf16``: as under
+    mixed_precision("bf16"): MixedPrecisionPolicy(bf16, fp32 reduce), the forward and the loss
+    under torch.autocast. ``loss_parallel``: the untied lm_head's output kept split on the
+    vocabulary (ColwiseParallel(use_local_output=False)), the loss and backward under torch's
+    loss_parallel()."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor.parallel import (
@@ -222,25 +258,30 @@ def by_hand_bf16(batch: int) -> dict[str, torch.Tensor]:
         RowwiseParallel,
         parallelize_module,
     )
+    from torch.distributed.tensor.parallel import loss_parallel as loss_parallel_on
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp = mesh["dp"].get_local_rank()
     torch.manual_seed(0)
-    model = GPT()
+    model = GPT(tied=not loss_parallel)
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {f"layers.{i}.{path.split('.', 2)[2]}": styles[style]()
-            for i in range(LAYERS) for path, style in PLAN.items()}
+    plan: dict[str, Any] = {f"layers.{i}.{path.split('.', 2)[2]}": styles[style]()
+                            for i in range(LAYERS) for path, style in PLAN.items()}
+    if loss_parallel:
+        plan["lm_head"] = ColwiseParallel(use_local_output=False)
     parallelize_module(model, mesh["tp"], plan)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    dtype = torch.bfloat16 if bf16 else None
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if bf16 else None)
     for block in model.layers:
         fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     opt = make_optimizer(model, "sgd")
     for x, y in DataLoader(tokens(32), batch_size=2 * batch, shuffle=True):
         x, y = x[dp * batch:(dp + 1) * batch], y[dp * batch:(dp + 1) * batch]
-        with torch.autocast("cpu", torch.bfloat16):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
+        with loss_parallel_on() if loss_parallel else contextlib.nullcontext():
+            with torch.autocast("cpu", torch.bfloat16, enabled=bf16):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
         opt.step()
         opt.zero_grad()
     weights = full_weights(model)
@@ -264,7 +305,8 @@ def compiled_run(batch: int) -> dict[str, str]:
 def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
     """distributed(tp=2) on 2 ranks: the loop, save_model of a TP-only model, and the 2x2
     checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
-    out = {"train": train("distributed", batch, save=f"{root}/tp_only.pt")}
+    out = {"train": train("distributed", batch, save=f"{root}/tp_only.pt"),
+           "sp_lp": train("distributed", batch, variant="sp_lp")}
     with scope("distributed"):
         torch.manual_seed(5)  # other weights than the checkpoint's
         model = GPT()
@@ -346,6 +388,13 @@ def llama_run(batch: int) -> dict[str, Any] | None:
     return {"train": train_llama("sharded", batch), "misuse": said}
 
 
+def loss_parallel_left_on() -> bool:
+    """Torch's loss_parallel() ops still swapped in after the scopes closed (they must not be)."""
+    from torch.distributed.tensor import DTensor
+
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
     """Everything the 4-rank tests check, in one spawn."""
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
@@ -356,5 +405,8 @@ def four_ranks(batch: int, root: str) -> dict[str, Any]:
             "clip": train("sharded", batch, clip=0.05),
             "bf16": train("sharded", batch, precision="bf16"), "acc": train("sharded", batch, k=2),
             "adamw": train("sharded", batch, optimizer="adamw"),
-            "bf16_by_hand": by_hand(by_hand_bf16, batch), "compiled": compiled_run(batch),
+            "bf16_by_hand": by_hand(by_hand_recipe, batch, True), "compiled": compiled_run(batch),
+            "lp": train("sharded", batch, variant="lp"), "sp": train("sharded", batch, variant="sp"),
+            "lp_by_hand": by_hand(by_hand_recipe, batch, False, True),
+            "lp_left_on": loss_parallel_left_on(),
             "llama": llama_run(batch)}
