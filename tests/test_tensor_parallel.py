@@ -166,6 +166,10 @@ def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
         assert "tp_plan=" in said["no_plan"] and "colwise" in said["no_plan"]
         assert "'layers.*.attn.qq' names no module" in said["missing_module"]
         assert "n_heads = 2" in said["heads"] and "tp=4" in said["heads"]
+        assert "names none of its modules" in said["declared_names_none"]
+        # a model reshaping by its whole head count (torch's error, explained)
+        assert "whole head count" in said["hard_coded_heads"], said["hard_coded_heads"]
+        assert "view(b, t, -1, head_dim)" in said["hard_coded_heads"]
         # sequence and loss parallelism where they cannot apply: refused, not silently wrong
         assert "must split both ends" in said["sp_tied"] and "tied" in said["sp_tied"]
         assert "splits no output layer" in said["lp_tied"] and "colwise_rep" in said["lp_tied"]

@@ -198,6 +198,8 @@ class DistributedRuntime(Concern):
     def forward_failed(self, call: ForwardCall, exc: Exception) -> None:
         if call.engine is not None:
             _blame.reraise(self.job, exc, "forward")  # DDP's buffer broadcast
+            if self.tensor is not None:
+                _tensor_parallel.explain_failure(call.module, self.tensor, exc)
 
     @override
     def forward_done(self, call: ForwardCall) -> None:

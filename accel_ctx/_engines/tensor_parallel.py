@@ -121,6 +121,19 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     return TensorEngine(module, sharded)
 
 
+def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> None:
+    """A split model's forward that failed reshaping: the usual cause is a view by the model's
+    whole head count, where each rank holds ``1/tp`` of a colwise layer's heads."""
+    if isinstance(exc, RuntimeError) and "is invalid for input of size" in str(exc):
+        raise ConfigurationError(
+            f"tp={tensor.size}: the forward of this {type(module).__name__} failed reshaping "
+            f"({exc}), most likely a split layer's output viewed by the model's whole head "
+            f"count: each rank holds 1/{tensor.size} of the heads of a 'colwise' layer. "
+            "Reshape by the local count, view(b, t, -1, head_dim), not view(b, t, n_heads, "
+            "head_dim) (view(b, t, n_heads, -1) would split the heads wrongly without an "
+            "error).") from exc
+
+
 def _compiled(module: nn.Module, part: str, tp: int) -> ConfigurationError:
     """The refusal of a compiled model (or part): on torch 2.13, dynamo fails on the split
     layers between the graph breaks the scopes' module calls make (a RecursionError in AOT
@@ -161,6 +174,11 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
                 "as model.named_modules() names them.")
         for name in found:
             chosen[name] = style
+    if not chosen and tensor.styles is None:
+        raise ConfigurationError(
+            f"tp={tensor.size}: the tensor-parallel plan this {kind} declares names none of its "
+            f"modules ({', '.join(p for p, _ in declared[:3])}, ...), so nothing would be split. "
+            f"Give the plan yourself: sharded(tp={tensor.size}, {EXAMPLE}).")
     chosen = {name: style for name, style in chosen.items() if style != "replicate"}
     _leave_tied(module, chosen, given=tensor.styles is not None)
     _check_divisible(module, chosen, tensor.size)

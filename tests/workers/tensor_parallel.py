@@ -72,6 +72,17 @@ class Attention(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
+class HardCodedAttention(Attention):
+    """Reshapes by the model's whole head count: wrong under TP, where a rank holds half."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (p(x).view(b, t, self.n_heads, HEAD_DIM).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -205,6 +216,15 @@ def misuse() -> dict[str, str]:
         GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
     with sharded(tp=4, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "heads"):
         GPT(heads=2)(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "hard_coded_heads"):
+        model = GPT()
+        for block in model.layers:
+            block.attn = HardCodedAttention()
+        model(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with sharded(tp=2, timeout=scaled(60)), _refusal(said, "declared_names_none"):
+        model = GPT()
+        model._tp_plan = {"h.*.attn.c_attn": "colwise"}  # another model's names
+        model(torch.zeros(2, CONTEXT, dtype=torch.long))
     # sequence and loss parallelism where they cannot apply: refused, not silently wrong
     untied = {"tied": False, "positions": False}
     for name, plan, loss, options, length in (
