@@ -50,14 +50,14 @@ def layout(module: nn.Module, chosen: dict[str, Any], tp: int,
     sequence = any(_is_sequence(style) for style in chosen.values())
     subs = {name: module.get_submodule(name) for name in chosen}
     named = {name: style for name, style in chosen.items() if isinstance(style, str)}
-    if sequence:
-        ends = [name for name, style in named.items() if isinstance(subs[name], nn.Embedding)
-                ], [name for name, style in named.items() if style in _GATHERED
-                    and isinstance(subs[name], nn.Linear)]
-        if not all(ends) and len(named) > sum(map(_is_sequence, named.values())):
-            missing = " and ".join(what for what, found in zip(
-                ("the token embedding", "the output layer ('colwise_rep')"), ends, strict=True)
-                if not found)
+    if sequence and any(not _is_sequence(style) for style in named.values()):
+        embedding = any(isinstance(subs[name], nn.Embedding) for name in named)
+        output = any(style in _GATHERED and isinstance(subs[name], nn.Linear)
+                     for name, style in named.items())
+        if not (embedding and output):
+            missing = " and ".join(what for what, found in (
+                ("the token embedding", embedding),
+                ("the output layer ('colwise_rep')", output)) if not found)
             raise ConfigurationError(
                 "tp_plan: 'sequence_parallel' splits the activations along the sequence from the "
                 "token embedding to the output layer, so the plan must split both ends; it does "
