@@ -166,6 +166,38 @@ def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
         assert "tp_plan=" in said["no_plan"] and "colwise" in said["no_plan"]
         assert "'layers.*.attn.qq' names no module" in said["missing_module"]
         assert "n_heads = 2" in said["heads"] and "tp=4" in said["heads"]
+        assert "names none of its modules" in said["declared_names_none"]
+        # a model reshaping by its whole head count (torch's error, explained)
+        assert "whole head count" in said["hard_coded_heads"], said["hard_coded_heads"]
+        assert "view(b, t, -1, head_dim)" in said["hard_coded_heads"]
+        # sequence and loss parallelism where they cannot apply: refused, not silently wrong
+        assert "must split both ends" in said["sp_tied"] and "tied" in said["sp_tied"]
+        assert "splits no output layer" in said["lp_tied"] and "colwise_rep" in said["lp_tied"]
+        assert "sequences of 7 tokens" in said["sp_odd_length"], said["sp_odd_length"]
+        assert "layers.0.attn.q" in said["sp_unfed"] and "plain tensor" in said["sp_unfed"]
+
+
+def test_loss_parallel_keeps_the_logits_split_and_trains_like_one_process_and_the_recipe(four):
+    reference = w.train("plain", BATCH * 2, variant="lp")
+    for rank, result in enumerate(four):
+        got = result["lp"]
+        assert got["outputs"] == ["DTensor"], rank  # split on the vocabulary, as the recipe's
+        _close(got["weights"], reference["weights"], f"rank {rank}: loss_parallel")
+        # the user's plain F.cross_entropy and backward ran under torch's loss_parallel(), as
+        # the hand-written recipe does: the same run to the bit
+        _close(got["weights"], result["lp_by_hand"], f"rank {rank}: loss_parallel vs by hand",
+               rtol=0, atol=0)
+        assert not result["lp_left_on"], rank  # torch's loss ops are back after the scope
+    # loss.item() works on the split loss: each data-parallel group's over its half batch
+    mean = [(a + b) / 2 for a, b in zip(four[0]["lp"]["losses"], four[2]["lp"]["losses"],
+                                        strict=True)]
+    torch.testing.assert_close(mean, reference["losses"], rtol=1e-5, atol=1e-6)
+
+
+def test_sequence_parallel_on_the_norms_trains_like_one_process(four):
+    reference = w.train("plain", BATCH * 2, variant="sp")
+    for rank, result in enumerate(four):
+        _close(result["sp"]["weights"], reference["weights"], f"rank {rank}: sequence parallel")
 
 
 def _plain_from(path):
@@ -180,9 +212,13 @@ def test_distributed_tp2_on_two_ranks_trains_like_one_process_and_takes_a_2x2_ch
     per_rank = spawn(w.two_ranks, 2, tmp_path, BATCH, str(tmp_path), str(root / "ckpt" / "tp"),
                      timeout=300)
     reference = w.train("plain", BATCH)
+    both = w.train("plain", BATCH, variant="sp_lp")["weights"]
     for rank, result in enumerate(per_rank):
         got = result["train"]
         _close(got["weights"], reference["weights"], f"rank {rank}: distributed(tp=2)")
+        # sequence parallel on the norms and loss_parallel together, TP alone
+        assert result["sp_lp"]["outputs"] == ["DTensor"], rank
+        _close(result["sp_lp"]["weights"], both, f"rank {rank}: sequence + loss parallel")
         assert got["where"]["dp_size"] == 1 and got["where"]["tp_rank"] == rank
         assert got["seen"] == reference["seen"]
         # the 2x2 checkpoint (sharded(tp=2) on 4 ranks) resharded onto TP 2 / DP 1
@@ -203,6 +239,8 @@ def test_distributed_tp2_on_two_ranks_trains_like_one_process_and_takes_a_2x2_ch
     ({"tp": 0}, "tp=0"),
     ({"tp": True}, "tp=True"),
     ({"tp_plan": {"a": "colwise"}}, "without tp="),
+    ({"loss_parallel": True}, "loss_parallel=...) without tp="),
+    ({"tp": 2, "loss_parallel": "yes"}, "loss_parallel='yes'"),
     ({"tp": 2, "tp_plan": {"a": "diagonal"}}, "'diagonal'"),
     ({"tp": 2, "tp_plan": {"a..b": "colwise"}}, "not a module path"),
     ({"tp": 2, "tp_plan": ["a"]}, "dict of module path patterns"),
@@ -211,3 +249,26 @@ def test_tp_options_are_checked_where_given(kwargs, expected):
     for scope in (sharded, distributed):
         with pytest.raises(ConfigurationError, match=re.escape(expected)):
             scope(**kwargs)
+
+
+def test_a_transformers_llama_trains_with_its_own_plan_like_one_process(four, monkeypatch):
+    pytest.importorskip("transformers", reason="transformers is not installed: its Llama's own "
+                        "tp plan cannot be tried")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    reference = w.train_llama("plain", BATCH * 2)
+    for rank, result in enumerate(four):
+        got = result["llama"]["train"]
+        # the model's plan split it, no tp_plan given (q: 4 heads of 16 -> 2 a rank, k/v 2 -> 1,
+        # the embedding by vocabulary), and FSDP2 halves each part again over "dp"
+        assert got["local"] == {"q_proj": (64 // 4, 64), "k_proj": (32 // 4, 64),
+                                "embed_tokens": (128 // 4, 64)}, rank
+        assert got["losses"] == four[rank // 2 * 2]["llama"]["train"]["losses"], rank  # TP peers
+    # each data-parallel group's loss is over its half of the global batch
+    halves = [four[r]["llama"]["train"]["losses"] for r in (0, 2)]
+    mean = [(a + b) / 2 for a, b in zip(*halves, strict=True)]
+    torch.testing.assert_close(mean, reference["losses"], rtol=1e-5, atol=1e-6)
+    for rank, result in enumerate(four):
+        got = result["llama"]["train"]
+        _close(got["weights"], reference["weights"], f"rank {rank}: Llama, its own plan")
+        said = result["llama"]["misuse"]["kv_heads"]
+        assert "config.num_key_value_heads = 1" in said and "tp=2" in said, said

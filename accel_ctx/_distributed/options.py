@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .._engines import comm_hook as _comm_hook
 from .._engines.comm_hook import PowerSGD
-from .._engines.tp_plan import parse_tp
+from .._engines.tp_plan import tp_options
 from .._options import flag, unknown_option
 from ..errors import ConfigurationError, LaunchEnvironmentError
 from . import env as _env
@@ -71,6 +71,9 @@ class DistributedOptions:
     """Where tensor parallelism applies: module path patterns (``*`` = one segment) to
     ``"colwise"``, ``"rowwise"`` or a torch ``ParallelStyle``; None uses the plan the model
     declares (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``)."""
+    loss_parallel: bool = False
+    """With ``tp``: the output layer's logits stay split on the vocabulary (a DTensor) and the
+    loss and its backward compute on the shards (torch's ``loss_parallel()``, in the scope)."""
 
 
 class Options(TypedDict, total=False):
@@ -89,6 +92,7 @@ class Options(TypedDict, total=False):
     comm_hook: str | PowerSGD | tuple[Any, Any] | None
     tp: int | None
     tp_plan: Mapping[str, Any] | None
+    loss_parallel: bool
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
@@ -183,9 +187,7 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     values["init_method"] = _init_method(values.get("init_method"))
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
-    tensor = parse_tp(values.get("tp"), values.get("tp_plan"), call)
-    values["tp"] = tensor.size if tensor is not None else values.get("tp")
-    values["tp_plan"] = tensor.styles if tensor is not None else None
+    values.update(tp_options(values, call))
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])

@@ -37,6 +37,7 @@ from .._engines import (
 from .._engines.ddp_controls import holds_back
 from .._engines.replica_inputs import check_first_inputs
 from .._engines.tp_plan import TensorPlan
+from .._engines.tp_styles import loss_parallel_on
 from .._options import checked
 from .._precision.scope import check_env_policy, precision_from_env
 from ..errors import ConfigurationError
@@ -99,8 +100,10 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
     this entry gives its own."""
     below = _state.current()
     outer_runtime = below.find(DistributedRuntime) if below is not None else None
-    tensor = (TensorPlan(options.tp, options.tp_plan)
+    tensor = (TensorPlan(options.tp, options.tp_plan, options.loss_parallel)
               if options.tp is not None and options.tp > 1 else None)
+    if tensor is not None and tensor.loss_parallel:
+        exits.enter_context(loss_parallel_on())  # the user's loss and backward: on the shards
     if outer_runtime is not None:
         outer = outer_runtime.job
         check_nested(outer.device, outer.backend, outer.root.options, options)
@@ -195,6 +198,8 @@ class DistributedRuntime(Concern):
     def forward_failed(self, call: ForwardCall, exc: Exception) -> None:
         if call.engine is not None:
             _blame.reraise(self.job, exc, "forward")  # DDP's buffer broadcast
+            if self.tensor is not None:
+                _tensor_parallel.explain_failure(call.module, self.tensor, exc)
 
     @override
     def forward_done(self, call: ForwardCall) -> None:

@@ -16,7 +16,6 @@ embeddings) keeps its module replicated, so the tie holds.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -32,7 +31,8 @@ from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
-from .tp_plan import EXAMPLE, TensorPlan, matches
+from .tp_plan import EXAMPLE, SPLITS, TensorPlan, matches
+from .tp_styles import layout
 
 # attributes that count attention heads, in the modules on the way to a planned layer
 _HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
@@ -121,6 +121,19 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     return TensorEngine(module, sharded)
 
 
+def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> None:
+    """A split model's forward that failed reshaping: the usual cause is a view by the model's
+    whole head count, where each rank holds ``1/tp`` of a colwise layer's heads."""
+    if isinstance(exc, RuntimeError) and "is invalid for input of size" in str(exc):
+        raise ConfigurationError(
+            f"tp={tensor.size}: the forward of this {type(module).__name__} failed reshaping "
+            f"({exc}), most likely a split layer's output viewed by the model's whole head "
+            f"count: each rank holds 1/{tensor.size} of the heads of a 'colwise' layer. "
+            "Reshape by the local count, view(b, t, -1, head_dim), not view(b, t, n_heads, "
+            "head_dim) (view(b, t, n_heads, -1) would split the heads wrongly without an "
+            "error).") from exc
+
+
 def _compiled(module: nn.Module, part: str, tp: int) -> ConfigurationError:
     """The refusal of a compiled model (or part): on torch 2.13, dynamo fails on the split
     layers between the graph breaks the scopes' module calls make (a RecursionError in AOT
@@ -150,6 +163,8 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
     chosen: dict[str, Any] = {}
     for pattern, style in declared:
         found = [name for name in names if matches(pattern, name)]
+        if not found and tensor.styles is None:
+            continue  # a model's own plan names every variant's modules (transformers skips too)
         if not found:
             near = [n for n in names if n.split(".")[-1] == pattern.split(".")[-1]][:3] or [
                 n for n in names if not n.split(".")[-1].isdigit()][:6]
@@ -159,9 +174,15 @@ def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
                 "as model.named_modules() names them.")
         for name in found:
             chosen[name] = style
-    _leave_tied(module, chosen)
+    if not chosen and tensor.styles is None:
+        raise ConfigurationError(
+            f"tp={tensor.size}: the tensor-parallel plan this {kind} declares names none of its "
+            f"modules ({', '.join(p for p, _ in declared[:3])}, ...), so nothing would be split. "
+            f"Give the plan yourself: sharded(tp={tensor.size}, {EXAMPLE}).")
+    chosen = {name: style for name, style in chosen.items() if style != "replicate"}
+    _leave_tied(module, chosen, given=tensor.styles is not None)
     _check_divisible(module, chosen, tensor.size)
-    return {name: _style(style) for name, style in chosen.items()}
+    return layout(module, chosen, tensor.size, tensor.loss_parallel)
 
 
 def declared_plan(module: nn.Module) -> tuple[tuple[str, Any], ...] | None:
@@ -180,30 +201,7 @@ def declared_plan(module: nn.Module) -> tuple[tuple[str, Any], ...] | None:
     return tuple(plan.items()) or None
 
 
-def _style(style: Any) -> Any:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        SequenceParallel,
-    )
-
-    if not isinstance(style, str):
-        return style
-    makers: dict[str, Callable[[], Any]] = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel,
-            "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
-            "sequence_parallel": SequenceParallel}
-    made = makers.get(style)
-    if made is None:
-        raise ConfigurationError(
-            f"tp_plan: the style {style!r} (declared by the model) is not one accel_ctx applies; "
-            "give the plan yourself with 'colwise', 'rowwise' or torch ParallelStyles "
-            f"(sharded(tp=..., {EXAMPLE})).")
-    return made()
-
-
-def _leave_tied(module: nn.Module, chosen: dict[str, Any]) -> None:
+def _leave_tied(module: nn.Module, chosen: dict[str, Any], given: bool) -> None:
     """Drop the planned modules whose parameters another module shares (tied embeddings):
     splitting one side would untie them. They stay replicated over "tp"."""
     owners: dict[int, list[str]] = {}
@@ -218,9 +216,10 @@ def _leave_tied(module: nn.Module, chosen: dict[str, Any]) -> None:
         if tied:
             del chosen[name]
             if _state.coordinates().rank == 0:
+                fix = ("leave it out of the plan to silence this" if given else "the model's "
+                       "own plan names it; give tp_plan= without it to silence this")
                 warn_user(f"tp_plan: {name} shares its weight with {tied[0]} (tied), so it stays "
-                          "whole on every rank rather than split; leave it out of the plan to "
-                          "silence this.", RuntimeWarning)
+                          f"whole on every rank rather than split; {fix}.", RuntimeWarning)
 
 
 def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None:
@@ -228,8 +227,7 @@ def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None
     problems: list[str] = []
     for name, style in chosen.items():
         sub = module.get_submodule(name)
-        if isinstance(style, str) and style in ("colwise", "rowwise", "colwise_rep",
-                                                "rowwise_rep"):
+        if isinstance(style, str) and style in SPLITS:
             dims = {nn.Linear: ("out_features", "in_features"),
                     nn.Embedding: ("embedding_dim", "num_embeddings")}
             pair = next((d for cls, d in dims.items() if isinstance(sub, cls)), None)
@@ -238,7 +236,7 @@ def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None
                     f"tp_plan: {name} is a {type(sub).__name__}; '{style}' splits an nn.Linear "
                     "or nn.Embedding. Name the Linear layers inside it, or give a torch "
                     "ParallelStyle that handles this module.")
-            attr = pair[0] if style.startswith("colwise") else pair[1]
+            attr = pair[0] if SPLITS[style] == "out" else pair[1]
             size = getattr(sub, attr)
             if size % tp:
                 problems.append(f"{name}.{attr} = {size}")

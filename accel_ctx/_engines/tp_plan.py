@@ -4,8 +4,9 @@
 A plan maps module path patterns to styles. ``*`` matches one path segment
 (``layers.*.attn.q_proj``, as torchtitan's and transformers' plans write them). A style is
 ``"colwise"`` (split the output features), ``"rowwise"`` (split the input features, sum the
-outputs), their transformers spellings ``"colwise_rep"`` / ``"rowwise_rep"``,
-``"sequence_parallel"``, or any torch ``ParallelStyle``.
+outputs), the spellings transformers' plans use (``"colwise_rep"`` / ``"colwise_gather_output"``,
+``"rowwise_rep"`` / ``"rowwise_split_input"``, ``"embedding_rowwise"`` / ``"embedding_colwise"``,
+``"replicate"``), ``"sequence_parallel"``, or any torch ``ParallelStyle``.
 
 Examples:
     >>> from accel_ctx._engines.tp_plan import parse_tp, matches
@@ -25,8 +26,15 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-STYLE_NAMES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel")
-"""The styles a plan may name by string (torch's ``ParallelStyle`` objects are taken as well)."""
+SPLITS = {"colwise": "out", "colwise_rep": "out", "colwise_gather_output": "out",
+          "embedding_colwise": "out", "rowwise": "in", "rowwise_rep": "in",
+          "rowwise_split_input": "in", "embedding_rowwise": "in"}
+"""The named styles that split a weight: "out" its output features (a Linear's rows, an
+Embedding's columns), "in" its input features (a Linear's columns, an Embedding's rows)."""
+
+STYLE_NAMES = (*SPLITS, "sequence_parallel", "replicate")
+"""The styles a plan may name by string (torch's ``ParallelStyle`` objects are taken as well):
+transformers' names for the same splits included, so its models' plans apply as they are."""
 
 EXAMPLE = ('tp_plan={"layers.*.attn.q_proj": "colwise", "layers.*.attn.k_proj": "colwise", '
            '"layers.*.attn.v_proj": "colwise", "layers.*.attn.out_proj": "rowwise", '
@@ -41,6 +49,9 @@ class TensorPlan:
     size: int
     styles: tuple[tuple[str, Any], ...] | None = None
     """(pattern, style) pairs in the order given; None reads the plan the model declares."""
+    loss_parallel: bool = False
+    """The output layer's logits stay split on the vocabulary, and torch's ``loss_parallel()``
+    is on in the scope (the user's cross-entropy and backward compute on the shards)."""
 
 
 def matches(pattern: str, path: str) -> bool:
@@ -56,20 +67,27 @@ def _is_style(value: object) -> bool:
     return isinstance(value, ParallelStyle)
 
 
-def parse_tp(tp: object, tp_plan: object, call: str = "distributed") -> TensorPlan | None:
-    """``tp`` and ``tp_plan`` as given to ``call()``, checked; None without tensor parallelism."""
+def parse_tp(tp: object, tp_plan: object, call: str = "distributed",
+             loss_parallel: object = False) -> TensorPlan | None:
+    """``tp``, ``tp_plan`` and ``loss_parallel`` as given to ``call()``, checked; None without
+    tensor parallelism."""
+    if not isinstance(loss_parallel, bool):
+        raise ConfigurationError(
+            f"{call}(loss_parallel={loss_parallel!r}): give True (the loss computed on the "
+            "vocabulary-split logits of the output layer) or False.")
     if tp is None:
-        if tp_plan is not None:
-            raise ConfigurationError(
-                f"{call}(tp_plan=...) without tp=: say over how many ranks each layer is split, "
-                f"e.g. {call}(tp=2, tp_plan=...).")
+        for name, value in (("tp_plan", tp_plan is not None), ("loss_parallel", loss_parallel)):
+            if value:
+                raise ConfigurationError(
+                    f"{call}({name}=...) without tp=: say over how many ranks each layer is "
+                    f"split, e.g. {call}(tp=2, {name}=...).")
         return None
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
         raise ConfigurationError(
             f"{call}(tp={tp!r}): give the number of ranks that split each layer (an int >= 1 "
             "that divides the number of processes, usually the GPUs of one machine), or None.")
     if tp_plan is None:
-        return TensorPlan(tp) if tp > 1 else None
+        return TensorPlan(tp, None, loss_parallel) if tp > 1 else None
     if not isinstance(tp_plan, Mapping) or not tp_plan:
         raise ConfigurationError(
             f"{call}(tp_plan={tp_plan!r}): give a dict of module path patterns to styles, "
@@ -89,4 +107,14 @@ def parse_tp(tp: object, tp_plan: object, call: str = "distributed") -> TensorPl
                 f"{', '.join(repr(n) for n in STYLE_NAMES)} or a torch ParallelStyle "
                 "(torch.distributed.tensor.parallel.ColwiseParallel(...)).")
         styles.append((key, style))
-    return TensorPlan(tp, tuple(styles)) if tp > 1 else None
+    return TensorPlan(tp, tuple(styles), loss_parallel) if tp > 1 else None
+
+
+def tp_options(values: Mapping[str, Any], call: str) -> dict[str, Any]:
+    """The ``tp``, ``tp_plan`` and ``loss_parallel`` options of ``call()``, checked and settled
+    (``tp_plan`` as (pattern, style) pairs; ``tp=1`` is none)."""
+    tensor = parse_tp(values.get("tp"), values.get("tp_plan"), call,
+                      values.get("loss_parallel", False))
+    if tensor is None:
+        return {"tp": values.get("tp"), "tp_plan": None, "loss_parallel": False}
+    return {"tp": tensor.size, "tp_plan": tensor.styles, "loss_parallel": tensor.loss_parallel}
