@@ -58,8 +58,6 @@ def prepare(job: Job, module: nn.Module, grad: bool, tensor: TensorPlan,
             sharding: _fsdp.ShardingPlan | None, session: Session
             ) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its engine (or None)."""
-    if module._compiled_call_impl is not None or "_orig_mod" in module._modules:
-        raise _compiled(module, "", tensor.size)
     record = _records.module_record(module)
     if record is None or record.owner is not job.root:
         if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
@@ -97,15 +95,14 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    for name, sub in module.named_modules():
-        if name and sub._compiled_call_impl is not None:
-            raise _compiled(module, name, tensor.size)
-    styles = resolve(module, tensor)
+    # torch.compile(model)'s wrapper: the plan names the user's model's modules
+    model = module._modules.get("_orig_mod") or module
+    styles = resolve(model, tensor)
     before = dict(module.named_parameters())
     _adopt.move_to_device(job, module)
     _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
     mesh = job.tp_mesh
-    parallelize_module(module, mesh["tp"], styles)
+    parallelize_module(model, mesh["tp"], styles)
     sharded = sharding is not None and job.coordinates.dp_size > 1
     if sharded:
         assert sharding is not None
@@ -132,19 +129,6 @@ def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> No
             "Reshape by the local count, view(b, t, -1, head_dim), not view(b, t, n_heads, "
             "head_dim) (view(b, t, n_heads, -1) would split the heads wrongly without an "
             "error).") from exc
-
-
-def _compiled(module: nn.Module, part: str, tp: int) -> ConfigurationError:
-    """The refusal of a compiled model (or part): on torch 2.13, dynamo fails on the split
-    layers between the graph breaks the scopes' module calls make (a RecursionError in AOT
-    tracing), whole model or blocks alike; refused before anything is split or run."""
-    inner = module._modules.get("_orig_mod")
-    kind = type(inner if inner is not None else module).__name__
-    what = f"{part} of this {kind} is" if part else f"this {kind} is"
-    return ConfigurationError(
-        f"tp={tp}: {what} compiled (.compile() or torch.compile()), and tensor parallelism "
-        "under torch.compile is not supported by accel_ctx yet (torch's compiler fails on the "
-        "split layers). Call the model uncompiled under tp=, or leave tp= out to compile it.")
 
 
 # ---- the plan ------------------------------------------------------------------------------------
