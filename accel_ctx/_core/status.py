@@ -57,7 +57,7 @@ class State(Coordinates):
     """Inside a ``distributed()`` scope (of this thread: a helper thread of a rank sees the
     rank's coordinates, but no scope)."""
     mixed_precision: str = "no"
-    """The active precision policy: 'bf16', 'fp16' or 'no'."""
+    """The active precision policy: 'bf16', 'fp16', 'fp8' or 'no'."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     sync_gradients: bool = True

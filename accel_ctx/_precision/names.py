@@ -5,13 +5,13 @@ config file all read it, so a spelling accepted by one is accepted by all.
 
 Examples:
     >>> from accel_ctx._precision.names import canonical
-    >>> canonical("bfloat16"), canonical("off"), canonical("fp8")
-    ('bf16', 'no', None)
+    >>> canonical("bfloat16"), canonical("off"), canonical("FP8"), canonical("int8")
+    ('bf16', 'no', 'fp8', None)
 """
 
 from __future__ import annotations
 
-POLICIES = ("bf16", "fp16", "no")
+POLICIES = ("bf16", "fp16", "fp8", "no")
 """The policies, by their canonical names."""
 
 ALIASES = {
@@ -20,6 +20,7 @@ ALIASES = {
     "half": "fp16",
     "fp32": "no",
     "float32": "no",
+    "float8": "fp8",
     "none": "no",
     "off": "no",
 }
