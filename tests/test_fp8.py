@@ -180,3 +180,5 @@ def test_two_ranks_ddp_and_sharded_checkpoints_and_low_bit_optimizers(torchao, t
         assert out["plain"] == {"missing": [], "unexpected": [], "differ": [],
                                 "types": {"Tensor"}}
         assert "tp=2" in out["tp"] and "mixed_precision('bf16')" in out["tp"]
+        assert "already sharded" in out["sharded_first"] and "conversion must come first" in (
+            out["sharded_first"])

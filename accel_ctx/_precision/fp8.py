@@ -164,11 +164,9 @@ class Fp8Runtime(PrecisionRuntime):
                 f"mixed_precision('fp8') with tp={coordinates.tp_size}: float8 training of "
                 "tensor-parallel layers needs torchao's own parallel styles, which accel_ctx "
                 "does not apply yet. Use mixed_precision('bf16') with tp=, or fp8 without tp=.")
-        _converted.add(module)
         inner = _inner(module)
-        if inner is not module:
-            _converted.add(inner)
         converted, left_out = convert(inner, self.options)
+        _converted.update((module, inner))  # once converted: a refusal comes again next call
         if not converted and left_out and coordinates.rank == 0:
             warn_user(
                 f"mixed_precision('fp8'): no Linear layer of this {type(inner).__name__} trains "

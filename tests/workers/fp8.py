@@ -186,6 +186,15 @@ def two_ranks(folder: str) -> dict[str, Any]:
         out["low_bit_refused"] = str(exc)
     out["resume", "ddp"] = resume("ddp", root / "ddp", "adamw4bit")
     out["plain"] = saved_model_loads_plain("fsdp", root / "model" / "model.safetensors")
+    model, batch = GPT(CONFIG), get_batch(torch.Generator().manual_seed(rank()))
+    with sharded():
+        with mixed_precision("bf16"):
+            model(*batch)  # sharded in bf16
+        try:
+            with mixed_precision("fp8"):  # too late to convert: refused, on every rank
+                model(*batch)
+        except ConfigurationError as exc:
+            out["sharded_first"] = str(exc)
     try:
         with distributed(tp=2), mixed_precision("fp8"):
             GPT(CONFIG)(*get_batch(torch.Generator().manual_seed(0)))
