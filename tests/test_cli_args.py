@@ -107,8 +107,9 @@ def test_torchrun_rendezvous_flags_replace_ours():
 def test_mixed_precision_reaches_the_workers_through_the_environment():
     assert make(["--mixed-precision", "BF16", "t.py"]).env["ACCEL_CTX_MIXED_PRECISION"] == "bf16"
     assert "ACCEL_CTX_MIXED_PRECISION" not in make(["t.py"]).env
-    with pytest.raises(ConfigurationError, match="'no', 'bf16', 'fp16', 'bf16-true' or 'fp16-true'"):
-        make(["--mixed-precision", "fp8", "t.py"])
+    with pytest.raises(ConfigurationError,
+                       match="'no', 'bf16', 'fp16', 'fp8', 'bf16-true' or 'fp16-true'"):
+        make(["--mixed-precision", "fp4", "t.py"])
 
 
 def test_mistakes_are_named():

@@ -48,7 +48,7 @@ def flag(args, name):
 # --- 15: rejected values are quoted as typed; no traceback; each answer checked when given ---
 
 @pytest.mark.parametrize(("argv", "quoted"), [
-    (["--mixed-precision", "fp8"], "'fp8' is not valid"),
+    (["--mixed-precision", "fp4"], "'fp4' is not valid"),
     (["-n", "abc"], "'abc' is not valid"),
     (["--max-restarts", "-1"], "'-1' is not valid"),
     (["--nnodes", "0"], "'0' is not valid"),
@@ -67,7 +67,7 @@ def test_launch_rejects_bad_values_in_one_line_quoting_them(home, capsys, argv, 
 
 def test_config_flags_are_checked_like_the_launcher_flags(home, capsys):
     for argv, quoted in ((["--nnodes", "3:2"], "'3:2'"), (["--nnodes", "0"], "'0'"),
-                         (["-n", "abc"], "'abc'"), (["--mixed-precision", "fp8"], "'fp8'"),
+                         (["-n", "abc"], "'abc'"), (["--mixed-precision", "fp4"], "'fp4'"),
                          (["--max-restarts", "-1"], "'-1'")):
         assert config_main(argv) == 2, argv
         err = capsys.readouterr().err
@@ -82,7 +82,7 @@ def test_interview_checks_each_answer_when_given_and_asks_it_again(home, capsys)
                     "3:2", "2",          # nnodes
                     "h:1",               # master
                     "5", "1",            # node_rank: out of range for 2 nodes, asked at once
-                    "fp8", "bf16",       # mixed_precision
+                    "fp4", "bf16",       # mixed_precision
                     "-1", "0"])          # max_restarts
     asked = []
 
@@ -95,7 +95,7 @@ def test_interview_checks_each_answer_when_given_and_asks_it_again(home, capsys)
     assert [q.split()[0] for q in asked] == ["Processes", "Processes", "Machines", "Machines",
                                              "Address", "This", "This", "Mixed", "Mixed",
                                              "Restarts", "Restarts"]
-    for bad in ("'abc'", "'3:2'", "'fp8'", "'-1'"):
+    for bad in ("'abc'", "'3:2'", "'fp4'", "'-1'"):
         assert f"{bad} is not valid" in out
     assert "node_rank 5 with 2 machine(s)" in out and "None" not in out
     text = (home / "xdg" / "accel-ctx" / "config.toml").read_text()

@@ -53,8 +53,8 @@ def test_unreachable_rank_zero_fails_within_the_timeout(monkeypatch):
 
 
 def test_bad_scope_arguments():
-    with pytest.raises(ConfigurationError, match="'bf16', 'fp16' and 'no'"):
-        mixed_precision("fp8")
+    with pytest.raises(ConfigurationError, match="'bf16', 'fp16', 'fp8' and 'no'"):
+        mixed_precision("fp4")
     with pytest.raises(ConfigurationError, match="int >= 1"):
         accumulate(2.5)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match="at least 1"):

@@ -74,18 +74,19 @@ def test_every_policy_name_means_the_same_to_the_launcher_and_to_mixed_precision
         assert state().mixed_precision == meant
 
 
-@pytest.mark.parametrize("name", ["fp8", "int8", "float64", ""])
+@pytest.mark.parametrize("name", ["fp4", "int8", "float64", ""])
 def test_a_name_mixed_precision_refuses_the_launcher_refuses(name):
     with pytest.raises(ConfigurationError):
         mixed_precision(name)
-    with pytest.raises(ConfigurationError, match="'no', 'bf16', 'fp16', 'bf16-true' or 'fp16-true'"):
+    with pytest.raises(ConfigurationError,
+                       match="'no', 'bf16', 'fp16', 'fp8', 'bf16-true' or 'fp16-true'"):
         launched(["--mixed-precision", name])
 
 
 @pytest.mark.parametrize(("key", "bad"), [
     ("nproc", "abc"), ("nproc", 0), ("nproc", True), ("nnodes", "3:2"), ("nnodes", 0),
     ("nnodes", [2]), ("master", "nohost"), ("master", 29500), ("node_rank", -1),
-    ("node_rank", "x"), ("mixed_precision", "fp8"), ("mixed_precision", 16),
+    ("node_rank", "x"), ("mixed_precision", "fp4"), ("mixed_precision", 16),
     ("max_restarts", "-1"), ("max_restarts", 1.5),
 ])
 def test_a_refused_value_is_quoted_as_written_never_as_none(key, bad):

@@ -370,6 +370,6 @@ def test_launcher_default_policy(monkeypatch):
             assert state().mixed_precision == "no"
             assert not torch.is_autocast_enabled("cpu")
         model(torch.randn(2, 4))
-    monkeypatch.setenv("ACCEL_CTX_MIXED_PRECISION", "fp8")
-    with pytest.raises(ConfigurationError, match="fp8"), mixed_precision():
+    monkeypatch.setenv("ACCEL_CTX_MIXED_PRECISION", "fp4")
+    with pytest.raises(ConfigurationError, match="fp4"), mixed_precision():
         pass

@@ -198,6 +198,10 @@ class Concern:
         """The dtype an engine should compute in (a sharded model's parameter dtype), if any."""
         return None
 
+    def before_sharding(self, module: nn.Module) -> None:
+        """``module`` is about to be sharded by FSDP2, its parameters as the optimizers know
+        them noted (they follow any replaced here): fp8 wraps its weights to gather in float8."""
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of this runtime (plain data)."""
         return {}

@@ -57,8 +57,8 @@ class State(Coordinates):
     """Inside a ``distributed()`` scope (of this thread: a helper thread of a rank sees the
     rank's coordinates, but no scope)."""
     mixed_precision: str = "no"
-    """The active precision policy: 'bf16', 'fp16' or 'no' (autocast), 'bf16-true' or 'fp16-true'
-    (the model itself in half)."""
+    """The active precision policy: 'bf16', 'fp16', 'fp8' or 'no' (autocast), 'bf16-true' or
+    'fp16-true' (the model itself in half)."""
     accumulation_steps: int = 1
     """Micro-batches per optimizer step."""
     sync_gradients: bool = True

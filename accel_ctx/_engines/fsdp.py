@@ -128,6 +128,9 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
     _check_blocks(module, plan.blocks)
     before = dict(module.named_parameters())
     settle_dtypes(module, find_blocks(module, plan.blocks), compute_dtype(), job.rank == 0)
+    stack = _state.current()
+    for concern in stack.concerns if sharding and stack is not None else ():
+        concern.before_sharding(module)  # fp8: its weights wrapped to gather in float8
     if sharding:
         _shard(job, module, plan, meta)
     elif meta:  # one process: nothing to shard, but the model must exist
@@ -168,9 +171,7 @@ def shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
         raise ConfigurationError(
             "sharded(cpu_offload=True) keeps parameters on the CPU between uses of an "
             "accelerator; this job's device is already the CPU. Drop cpu_offload, or run on GPUs.")
-    shard_size = plan.shard_size
-    if shard_size is None and plan.hybrid:
-        shard_size = job.coordinates.local_world_size
+    shard_size = plan.shard_size or (job.coordinates.local_world_size if plan.hybrid else None)
     return {
         "mesh": job.sharding_mesh(shard_size),
         "reshard_after_forward": plan.reshard_after_forward,
@@ -184,11 +185,8 @@ def shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
 def compute_dtype() -> torch.dtype | None:
     """The compute dtype of the open precision concern (fixed for the model at sharding)."""
     stack = _state.current()
-    for concern in stack.concerns if stack is not None else ():
-        dtype = concern.compute_dtype()
-        if dtype is not None:
-            return dtype
-    return None
+    dtypes = (c.compute_dtype() for c in (stack.concerns if stack is not None else ()))
+    return next((dtype for dtype in dtypes if dtype is not None), None)
 
 
 def find_blocks(module: nn.Module, spec: BlockSpec) -> list[nn.Module]:

@@ -31,8 +31,8 @@ CONFIG_FLAG = "--config"
 """``accel-ctx launch --config FILE`` reads FILE alone: it chooses the file, it is no setting."""
 
 _IN_ORDER = ("no", *(p for p in POLICIES if p != "no"))  # fp32 first: the default
-_LISTED = f"{', '.join(_IN_ORDER[:-1])} or {_IN_ORDER[-1]}"  # no, bf16 or fp16
-_QUOTED = f"{', '.join(map(repr, _IN_ORDER[:-1]))} or {_IN_ORDER[-1]!r}"  # 'no', 'bf16' or 'fp16'
+_LISTED = f"{', '.join(_IN_ORDER[:-1])} or {_IN_ORDER[-1]}"  # no, bf16, fp16 or fp8
+_QUOTED = f"{', '.join(map(repr, _IN_ORDER[:-1]))} or {_IN_ORDER[-1]!r}"  # 'no', 'bf16', 'fp16', 'fp8', 'bf16-true' or 'fp16-true'
 
 
 @dataclass(frozen=True)

@@ -5,15 +5,15 @@ config file all read it, so a spelling accepted by one is accepted by all.
 
 Examples:
     >>> from accel_ctx._precision.names import canonical
-    >>> canonical("bfloat16"), canonical("off"), canonical("fp8")
-    ('bf16', 'no', None)
+    >>> canonical("bfloat16"), canonical("off"), canonical("FP8"), canonical("int8")
+    ('bf16', 'no', 'fp8', None)
     >>> canonical("16-true"), canonical("BF16-true")  # true half: the model itself in half
     ('fp16-true', 'bf16-true')
 """
 
 from __future__ import annotations
 
-POLICIES = ("bf16", "fp16", "no", "bf16-true", "fp16-true")
+POLICIES = ("bf16", "fp16", "fp8", "no", "bf16-true", "fp16-true")
 """The policies, by their canonical names."""
 
 ALIASES = {
@@ -22,6 +22,7 @@ ALIASES = {
     "half": "fp16",
     "fp32": "no",
     "float32": "no",
+    "float8": "fp8",
     "none": "no",
     "off": "no",
     "16-true": "fp16-true",  # Lightning Fabric's name ("bf16-true" is the same in both)

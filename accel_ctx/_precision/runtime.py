@@ -43,15 +43,15 @@ def policy_name(policy: str | None) -> str:
         policy = os.environ.get(_env.MIXED_PRECISION_VAR, "no")
     if not isinstance(policy, str):
         raise ConfigurationError(
-            f"mixed_precision({policy!r}): give one of 'bf16', 'fp16' or 'no' (or 'bf16-true', "
-            "'fp16-true') as a string."
+            f"mixed_precision({policy!r}): give one of 'bf16', 'fp16', 'fp8' or 'no' (or "
+            "'bf16-true', 'fp16-true') as a string."
         )
     name = canonical(policy)
     if name is None:
         raise ConfigurationError(
-            f"unknown mixed-precision policy {policy!r}; valid policies are 'bf16', 'fp16' and "
-            "'no', and 'bf16-true' or 'fp16-true' for a model trained in half precision itself "
-            "(None takes the launcher's --mixed-precision, default 'no')."
+            f"unknown mixed-precision policy {policy!r}; valid policies are 'bf16', 'fp16', "
+            "'fp8' and 'no', and 'bf16-true' or 'fp16-true' for a model trained in half "
+            "precision itself (None takes the launcher's --mixed-precision, default 'no')."
         )
     return name
 
@@ -83,7 +83,7 @@ class PrecisionPolicy:
     """What a ``mixed_precision()`` scope asks for."""
 
     name: str
-    """'bf16', 'fp16' or 'no'; 'bf16-true' or 'fp16-true' (``_precision.true_half``)."""
+    """'bf16', 'fp16', 'fp8' or 'no'; 'bf16-true' or 'fp16-true' (``_precision.true_half``)."""
     output_dtype: torch.dtype | Literal["auto"] | None = AUTO
     """Floating outputs of a top-level forward are cast to this (None: kept as computed;
     "auto": kept where the caller's code runs under the same autocast, else fp32)."""
@@ -94,7 +94,9 @@ class PrecisionPolicy:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.name)
+        # fp8: the layers that are not converted to float8 compute in bf16
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}.get(
+            self.name)
 
 
 def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:

@@ -23,6 +23,7 @@ from .._core.scope import Scope
 from .._distributed import env as _env
 from .._options import checked, positive, whole
 from ..errors import ConfigurationError
+from .fp8 import Fp8Filter, Fp8Options, check_options, require_torchao, runtime_for
 from .runtime import (
     AUTO,
     PrecisionPolicy,
@@ -30,17 +31,25 @@ from .runtime import (
     policy_name,
     report_launcher_conflict,
 )
-from .true_half import open_runtime
+from .true_half import HALF, open_runtime
 
 F = TypeVar("F")
+
+
+def _runtime_of(policy: PrecisionPolicy, device_type: str | None,
+                fp8: Fp8Options | None = None) -> PrecisionRuntime:
+    """The runtime of ``policy``: true half ('bf16-true', 'fp16-true'), fp8, or autocast's."""
+    if policy.name in HALF and fp8 is None:
+        return open_runtime(policy, device_type)
+    return runtime_for(policy, device_type, fp8)  # refuses fp8's options on another policy
 
 
 def check_env_policy() -> None:
     """Refuse a bad launcher ``--mixed-precision`` before the process group forms, so every
     rank raises the same ConfigurationError (not a peer's teardown mid-rendezvous)."""
     name = os.environ.get(_env.MIXED_PRECISION_VAR)
-    if name:
-        policy_name(name)
+    if name and policy_name(name) == "fp8":
+        require_torchao(f"the launcher's --mixed-precision {name}")
 
 
 class _OpenPrecisions:
@@ -78,7 +87,7 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
     name = os.environ.get(_env.MIXED_PRECISION_VAR)
     if not name or policy_name(name) == "no":
         return None
-    runtime = open_runtime(PrecisionPolicy(policy_name(name)), device.type)
+    runtime = _runtime_of(PrecisionPolicy(policy_name(name)), device.type)
     runtime.is_default = True  # an explicit mixed_precision() scope wins over it
     _open.register(runtime)
     exits.callback(_open.unregister, runtime)
@@ -92,7 +101,8 @@ def precision_from_env(device: torch.device, exits: ExitStack) -> PrecisionRunti
 
 @checked
 class mixed_precision(Scope):
-    """Run forwards in reduced precision inside the scope: ``"bf16"``, ``"fp16"`` or ``"no"``.
+    """Run forwards in reduced precision inside the scope: ``"bf16"``, ``"fp16"``, ``"fp8"``
+    or ``"no"``.
 
     The scope's code runs as torch's AMP recipe runs it: under ``torch.autocast`` for the
     device (the job's, else CUDA where available, else the CPU), with ``loss.backward()`` and
@@ -108,6 +118,12 @@ class mixed_precision(Scope):
     ``GradScaler.step`` hands them over and skips on the device: nothing waits for the device
     until a scheduler steps or the count is read. ``None`` takes the launcher's
     ``--mixed-precision`` (default ``"no"``).
+    ``"fp8"`` (needs torchao: ``pip install "accel-ctx[fp8]"``) runs as ``"bf16"`` and, at a
+    model's first call, converts its ``nn.Linear`` layers whose in and out features are
+    multiples of 16 to torchao's float8 training (``Float8Linear``, the same parameters and
+    ``state_dict`` keys), before DDP or FSDP2 takes the model; ``fp8_filter(module, name)``
+    returning False keeps a layer in bf16, and ``fp8_config`` takes a torchao
+    ``Float8LinearConfig``.
     Works with or without ``distributed()``; nested, the innermost policy wins.
 
     ``"bf16-true"`` / ``"fp16-true"`` (Fabric's ``"bf16-true"`` / ``"16-true"``) train the model
@@ -137,6 +153,8 @@ class mixed_precision(Scope):
         output_dtype: torch.dtype | Literal["auto"] | None = AUTO,
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
+        fp8_filter: Fp8Filter | None = None,
+        fp8_config: Any = None,
     ) -> None:
         super().__init__()
         if output_dtype not in (None, AUTO) and not isinstance(output_dtype, torch.dtype):
@@ -145,9 +163,12 @@ class mixed_precision(Scope):
                 "(outputs as computed) or 'auto'."
             )
         self._requested = policy
+        name = policy_name(policy) if policy is not None else None  # fail at the call site
+        if name == "fp8":
+            require_torchao()
         if policy is not None:
-            policy_name(policy)  # fail at the call site, not at entry
             report_launcher_conflict(policy)
+        self._fp8 = check_options(fp8_filter, fp8_config, name)
         self._options = (
             output_dtype,
             positive("mixed_precision", "init_scale", init_scale,
@@ -165,7 +186,7 @@ class mixed_precision(Scope):
         )
         below = _state.current()
         device_type = below.job.device.type if below is not None and below.job else None
-        runtime = open_runtime(policy, device_type)
+        runtime = _runtime_of(policy, device_type, self._fp8)
         _open.register(runtime)
         exits.callback(_open.unregister, runtime)
         exits.callback(runtime.close)
