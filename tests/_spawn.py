@@ -10,7 +10,8 @@ Ranks fork from a server that imported torch once (multiprocessing's "forkserver
 spends importing torch, torch.distributed and torch._dynamo. The server only imports (no op
 runs in it; OMP_NUM_THREADS=1 from conftest), so forking it is safe. Each rank still starts as
 a spawned one would: the test's sys.path and working folder (multiprocessing sends them), the
-test's current environment (sent along: a forked child would inherit the server's), and
+test's current environment (sent along: a forked child would inherit the server's), the
+platform's default start method for the processes it starts itself (DataLoader workers), and
 accel_ctx imported afresh.
 """
 
@@ -56,6 +57,10 @@ def _child(
 ) -> None:
     os.environ.clear()  # the test's environment, not the forkserver's
     os.environ.update(env)
+    # The platform's default start method, as in a rank torchrun starts (a fresh interpreter),
+    # not the "forkserver" multiprocessing leaves as this child's default: DataLoader workers
+    # fork from the rank as they would there, instead of each importing torch anew.
+    mp.set_start_method(None, force=True)
     stacks_after = float(env.get(STACKS_ENV, "0"))
     if stacks_after > 0:  # a rank still running then prints where it is, before it is killed
         faulthandler.dump_traceback_later(stacks_after, exit=False)
