@@ -26,10 +26,14 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _timeouts
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 STACKS_ENV = "ACCEL_CTX_TEST_STACKS_AFTER"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
@@ -151,3 +155,28 @@ def spawn(
             lines.append(_timeouts.hint())
         raise WorkerFailed("\n".join(lines))
     return [pickle.loads(collected[r][1]) for r in range(world)]
+
+
+def side_by_side(calls: Mapping[K, Callable[[], T]]) -> dict[K, T | Exception]:
+    """Each call (a spawn(), usually) in a thread of its own, all at once: ranks that mostly wait
+    (a timeout waited out on purpose) wait side by side. Each call's result, or the exception
+    it raised, by key; :func:`outcome` gives it back or raises it, in the test that reads it."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+    done: dict[K, T | Exception] = {}
+    for key, future in futures.items():
+        exc = future.exception()
+        if exc is None:
+            done[key] = future.result()
+        elif isinstance(exc, Exception):
+            done[key] = exc
+        else:  # KeyboardInterrupt and the like: not a test's outcome
+            raise exc
+    return done
+
+
+def outcome(value: T | Exception) -> T:
+    """A :func:`side_by_side` value: the result, or the exception raised again."""
+    if isinstance(value, Exception):
+        raise value
+    return value
