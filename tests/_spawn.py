@@ -10,7 +10,8 @@ Ranks fork from a server that imported torch once (multiprocessing's "forkserver
 spends importing torch, torch.distributed and torch._dynamo. The server only imports (no op
 runs in it; OMP_NUM_THREADS=1 from conftest), so forking it is safe. Each rank still starts as
 a spawned one would: the test's sys.path and working folder (multiprocessing sends them), the
-test's current environment (sent along: a forked child would inherit the server's), and
+test's current environment (sent along: a forked child would inherit the server's), the
+platform's default start method for the processes it starts itself (DataLoader workers), and
 accel_ctx imported afresh.
 """
 
@@ -25,10 +26,14 @@ import socket
 import time
 import traceback
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from . import _timeouts
+
+K = TypeVar("K")
+T = TypeVar("T")
 
 STACKS_ENV = "ACCEL_CTX_TEST_STACKS_AFTER"
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "torch.nn.parallel",
@@ -56,6 +61,10 @@ def _child(
 ) -> None:
     os.environ.clear()  # the test's environment, not the forkserver's
     os.environ.update(env)
+    # The platform's default start method, as in a rank torchrun starts (a fresh interpreter),
+    # not the "forkserver" multiprocessing leaves as this child's default: DataLoader workers
+    # fork from the rank as they would there, instead of each importing torch anew.
+    mp.set_start_method(None, force=True)
     stacks_after = float(env.get(STACKS_ENV, "0"))
     if stacks_after > 0:  # a rank still running then prints where it is, before it is killed
         faulthandler.dump_traceback_later(stacks_after, exit=False)
@@ -146,3 +155,28 @@ def spawn(
             lines.append(_timeouts.hint())
         raise WorkerFailed("\n".join(lines))
     return [pickle.loads(collected[r][1]) for r in range(world)]
+
+
+def side_by_side(calls: Mapping[K, Callable[[], T]]) -> dict[K, T | Exception]:
+    """Each call (a spawn(), usually) in a thread of its own, all at once: ranks that mostly wait
+    (a timeout waited out on purpose) wait side by side. Each call's result, or the exception
+    it raised, by key; :func:`outcome` gives it back or raises it, in the test that reads it."""
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+    done: dict[K, T | Exception] = {}
+    for key, future in futures.items():
+        exc = future.exception()
+        if exc is None:
+            done[key] = future.result()
+        elif isinstance(exc, Exception):
+            done[key] = exc
+        else:  # KeyboardInterrupt and the like: not a test's outcome
+            raise exc
+    return done
+
+
+def outcome(value: T | Exception) -> T:
+    """A :func:`side_by_side` value: the result, or the exception raised again."""
+    if isinstance(value, Exception):
+        raise value
+    return value

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -87,7 +88,60 @@ def cpu_unless_gpu_test(request, no_state_left_behind, monkeypatch):
         monkeypatch.setenv("ACCEL_CTX_DEVICE", "cpu")
 
 
+# The test files that take longest (launcher runs, spawned ranks, timeouts waited out), longest
+# first. `./dev test` runs the files on two pytest-xdist workers (--dist loadfile), each file on
+# one worker, handed out in collection order (pytest_configure below): these go first, so that
+# what is left for the end, when a worker that is done has nothing more to take, is short.
+# xdist's own order (most tests first) left them for the end. A file over ~8 s belongs here.
+LONGEST_FIRST = (
+    "test_resumable.py",  # ~110 s on a quiet 2-core machine
+    "test_blame_trust.py",
+    "test_fidelity_waits.py",
+    "test_resumable_elastic.py",
+    "test_cli_launch.py",
+    "test_examples.py",
+    "test_checkpoint_trust.py",
+    "test_checkpoint_mp.py",
+    "test_sharded_checkpoint.py",
+    "test_tensor_parallel.py",
+    "test_parity.py",
+    "test_checkpoint_kill.py",
+    "test_sharded.py",
+    "test_fidelity.py",
+    "test_two_hosts_trust.py",
+    "test_process_failures.py",
+    "test_launch_trust.py",
+    "test_rendezvous_trust.py",
+    "test_foundation_mp.py",
+    "test_sharded_trust.py",
+    "test_fidelity_scripts.py",  # ~8 s
+)
+_TESTS = Path(__file__).resolve().parent
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
+        config.option.loadscopereorder = False
+
+
+def _dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files of LONGEST_FIRST in that order, then the others as xdist would order them
+    (most tests first); each file's tests stay together, in their order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    files: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(Path(item.path), []).append(item)
+
+    def key(path: Path) -> tuple[int, int]:
+        listed = rank.get(path.name) if path.parent == _TESTS else None
+        return (len(rank) if listed is None else listed, -len(files[path]))
+
+    return [item for path in sorted(files, key=key) for item in files[path]]
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture
 def pytest_collection_modifyitems(config, items):
+    items[:] = _dispatch_order(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (NCCL, CUDA autocast); none here")

@@ -8,6 +8,7 @@ main_process_first() raise at once instead of hanging. The launchers blame the s
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import signal
@@ -20,7 +21,7 @@ import pytest
 from accel_ctx import launch
 from accel_ctx.errors import DistributedError
 
-from ._spawn import spawn
+from ._spawn import outcome, side_by_side, spawn
 from ._timeouts import child_env, scaled
 from .workers import blame_trust
 from .workers.blame_trust import LONG, STALL_TIMEOUT
@@ -30,11 +31,21 @@ ROOT = Path(__file__).resolve().parent.parent
 ACCEL_CTX = str(Path(sys.executable).with_name("accel-ctx"))
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def ranks(request, tmp_path_factory):
-    world = request.param
-    folder = tmp_path_factory.mktemp("blame")
-    return world, spawn(blame_trust.run_all, world, folder, str(folder), timeout=300)
+WORLDS = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Both world sizes at once: their stalled ranks wait out the gloo timeout side by side."""
+    folders = {world: tmp_path_factory.mktemp("blame") for world in WORLDS}
+    return side_by_side({world: functools.partial(spawn, blame_trust.run_all, world, folder,
+                                                  str(folder), timeout=300)
+                         for world, folder in folders.items()})
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=["world2", "world3"])
+def ranks(request, worlds):
+    return request.param, outcome(worlds[request.param])
 
 
 def _outcomes(results, name):

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from ._launcher import ROOT, SCRIPTS, finish, start, stop_all
+from ._launcher import ROOT, SCRIPTS, STARTED, finish, start, stop_all
 from ._timeouts import scaled
 
 LINES = re.compile(r"(rank \d+ epoch \d+ batches [0-9a-f]{12}|rank \d+ weights [0-9a-f]{12}"
@@ -31,14 +31,17 @@ def _facts(output: str) -> set[str]:
 def test_the_ddp_tutorial_migrated_trains_on_the_same_batches_and_saves_what_loads(tmp_path):
     script = str(SCRIPTS / "ddp_tutorial.py")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    by_hand = subprocess.run(
+    by_hand = subprocess.Popen(  # the two runs are independent: side by side
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          script, str(tmp_path / "hand.pt")],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(180))
-    assert by_hand.returncode == 0, by_hand.stdout + by_hand.stderr
+        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    STARTED.append(by_hand)  # stopped with its workers if the test fails (stop_all)
     proc, log = start(["-n", "2", script, str(tmp_path / "accel.pt"), "--accel"], tmp_path,
                       "accel.log")
+    stdout, stderr = by_hand.communicate(timeout=scaled(180))
+    assert by_hand.returncode == 0, stdout + stderr
     assert finish(proc, timeout=180) == 0, log.read_text()
-    reference, migrated = _facts(by_hand.stdout), _facts(log.read_text())
+    reference, migrated = _facts(stdout), _facts(log.read_text())
     assert len(reference) == 2 * 3 + 2 + 1  # per rank: 3 epochs and the weights; the load
     assert migrated == reference

@@ -8,14 +8,17 @@ lasts the whole timeout, or ten minutes) fails them rather than hanging the suit
 
 from __future__ import annotations
 
+import functools
 import pickle
 import socket
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ._launcher import SCRIPTS, finish, start, stop_all
-from ._spawn import free_port, rank_env, spawn
+from ._spawn import free_port, outcome, rank_env, side_by_side, spawn
 from ._timeouts import scaled
 from .workers import fidelity_waits, rendezvous_trust
 
@@ -80,12 +83,61 @@ def test_a_sharded_forward_on_rank_zero_alone_ends_fast_naming_both_ranks(tmp_pa
     assert results[0]["message"].startswith("rank 0: rank 1 gave up waiting for this rank")
 
 
+# --- the scenarios that wait out a timeout or a probe on purpose: side by side ------------------
+def _progress_lines(tmp: Path) -> list[dict[str, Any]]:
+    (tmp / "store").mkdir()
+    return spawn(fidelity_waits.waits_with_progress_lines, 2, tmp, 6.0, timeout=240,
+                 env=lambda r: rank_env(r, 2, tmp / "store", ACCEL_CTX_PROGRESS_S="1"))
+
+
+def _unreachable_master(tmp: Path) -> tuple[float, dict[str, Any]]:
+    timeout = scaled(6.0)
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "203.0.113.1",  # TEST-NET-3
+           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
+           "ACCEL_CTX_RDZV_PROGRESS_S": "1"}
+    [result] = spawn(rendezvous_trust.enter, 1, tmp, timeout, env=lambda _: env, timeout=120)
+    return timeout, result
+
+
+def _held_port(tmp: Path) -> tuple[int, int, str, float]:
+    """(The port, the launcher's exit code, its output, the seconds it took)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)  # accepts, never answers: not a rendezvous store
+        port = held.getsockname()[1]
+        began = time.monotonic()
+        proc, log = start(["--master", f"127.0.0.1:{port}", "-n", "2", str(SCRIPT),
+                           "rank_only"], tmp, "held.log")
+        code = finish(proc, 150)
+    return port, code, log.read_text(), time.monotonic() - began
+
+
+def _launched(tmp: Path, mode: str) -> tuple[int, str]:
+    proc, log = start(["-n", "2", str(SCRIPT), mode], tmp, f"{mode}.log")
+    return finish(proc, 150), log.read_text()
+
+
+@pytest.fixture(scope="module")
+def waited(request, tmp_path_factory):
+    """The scenarios of the tests below that wait out a timeout or a probe on purpose (~50 s
+    one after the other), all at once: each test reads its own outcome. Only those of the
+    tests selected run (`-m "not slow"`: no launcher)."""
+    tmp = tmp_path_factory.mktemp("waits")
+    calls = {"progress": _progress_lines, "unreachable": _unreachable_master, "held": _held_port,
+             "rank_only": functools.partial(_launched, mode="rank_only"),
+             "exit_early": functools.partial(_launched, mode="exit_early")}
+    selected = {item.originalname for item in request.session.items
+                if item.path == request.path}
+    calls = {name: call for name, call in calls.items() if _READERS[name] in selected}
+    for name in calls:
+        (tmp / name).mkdir()
+    return side_by_side({name: functools.partial(call, tmp / name)
+                         for name, call in calls.items()})
+
+
 # --- 8: a rank waiting for another prints a progress line, in a barrier or a collective ---------
-def test_a_waiting_rank_says_what_it_waits_for_every_interval(tmp_path):
-    (tmp_path / "store").mkdir()
-    results = spawn(fidelity_waits.waits_with_progress_lines, 2, tmp_path, 6.0, timeout=240,
-                    env=lambda r: rank_env(r, 2, tmp_path / "store",
-                                           ACCEL_CTX_PROGRESS_S="1"))
+def test_a_waiting_rank_says_what_it_waits_for_every_interval(waited):
+    results = outcome(waited["progress"])
     for name, waits_in, other in (
             ("barrier", "at step 0, in wait_for_everyone()", "rank 0: step 0"),
             ("collective", "at step 0, in reduce()", "rank 0: step 0"),
@@ -113,30 +165,17 @@ def test_an_out_of_memory_before_the_forward_names_that_rank_at_once(tmp_path):
 
 # --- 8a: `accel-ctx launch --master` on a port another program holds ---------------------------
 @pytest.mark.slow
-def test_the_launcher_refuses_a_master_port_held_by_another_program(tmp_path):
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        held.listen(8)  # accepts, never answers: not a rendezvous store
-        port = held.getsockname()[1]
-        began = time.monotonic()
-        proc, log = start(["--master", f"127.0.0.1:{port}", "-n", "2", str(SCRIPT),
-                           "rank_only"], tmp_path, "held.log")
-        code = finish(proc, 150)
-    text = log.read_text()
+def test_the_launcher_refuses_a_master_port_held_by_another_program(waited):
+    port, code, text, seconds = outcome(waited["held"])
     assert code == 1, text
-    assert time.monotonic() - began < scaled(120), text
+    assert seconds < scaled(120), text
     assert f"--master 127.0.0.1:{port} is taken" in text, text
     assert "held by another program" in text, text
 
 
 # --- 8b: rank 0 started by hand with an address that does not lead to it ------------------------
-def test_rank_zero_with_an_unreachable_master_addr_ends_in_time_with_progress_lines(tmp_path):
-    timeout = scaled(6.0)
-    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "203.0.113.1",  # TEST-NET-3
-           "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1",
-           "ACCEL_CTX_RDZV_PROGRESS_S": "1"}
-    [result] = spawn(rendezvous_trust.enter, 1, tmp_path, timeout, env=lambda _: env,
-                     timeout=120)
+def test_rank_zero_with_an_unreachable_master_addr_ends_in_time_with_progress_lines(waited):
+    timeout, result = outcome(waited["unreachable"])
     assert result["error"] is not None and result["error"].startswith("RendezvousError"), result
     assert result["elapsed"] < timeout + scaled(10), result
     assert "rank 0 of 2" in result["error"], result
@@ -170,10 +209,8 @@ def test_two_processes_with_the_same_rank_are_told_so(tmp_path, store):
 
 # --- 9: the launcher blames the rank that caused the failure ------------------------------------
 @pytest.mark.slow
-def test_the_launcher_names_the_rank_waited_for_not_the_waiting_one(tmp_path):
-    proc, log = start(["-n", "2", str(SCRIPT), "rank_only"], tmp_path, "rank_only.log")
-    code = finish(proc, 150)
-    text = log.read_text()
+def test_the_launcher_names_the_rank_waited_for_not_the_waiting_one(waited):
+    code, text = outcome(waited["rank_only"])
     last = text.strip().splitlines()[-2]
     assert code == 1, text  # rank 1's own code: the launcher stopped rank 0 (SIGTERM)
     assert last.startswith("accel-ctx launch: rank 0 caused the failure (named by rank 1"), last
@@ -181,10 +218,8 @@ def test_the_launcher_names_the_rank_waited_for_not_the_waiting_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_launcher_names_a_rank_that_left_early_where_it_was(tmp_path):
-    proc, log = start(["-n", "2", str(SCRIPT), "exit_early"], tmp_path, "exit_early.log")
-    code = finish(proc, 150)
-    text = log.read_text()
+def test_the_launcher_names_a_rank_that_left_early_where_it_was(waited):
+    code, text = outcome(waited["exit_early"])
     last = text.strip().splitlines()[-2]
     assert code == 1, text  # rank 1 left with 0: the code is that of the rank that named it
     assert last.startswith("accel-ctx launch: rank 1 caused the failure (named by rank 0"), last
@@ -198,6 +233,17 @@ def test_a_rank_gone_between_two_heartbeats_is_named_at_its_real_step(tmp_path, 
     rank0 = pickle.loads(results[0])
     assert rank0.get("error") == "DistributedError", rank0
     assert "rank 1's process died (last seen at step 5" in rank0["message"], rank0
+
+
+# the test that reads each of the scenarios `waited` runs
+_READERS = {
+    "progress": test_a_waiting_rank_says_what_it_waits_for_every_interval.__name__,
+    "unreachable":
+        test_rank_zero_with_an_unreachable_master_addr_ends_in_time_with_progress_lines.__name__,
+    "held": test_the_launcher_refuses_a_master_port_held_by_another_program.__name__,
+    "rank_only": test_the_launcher_names_the_rank_waited_for_not_the_waiting_one.__name__,
+    "exit_early": test_the_launcher_names_a_rank_that_left_early_where_it_was.__name__,
+}
 
 
 # --- 9: the rules behind the launcher's last line and exit code (no processes) ------------------

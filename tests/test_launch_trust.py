@@ -56,16 +56,16 @@ def test_the_launcher_exits_with_the_scripts_code_and_with_130_after_one_line_on
 def test_the_demo_follows_the_launchers_precision_and_a_conflict_is_said_once(tmp_path):
     demo = [str(ROOT / "examples" / "train.py"), "--epochs", "1"]
     proc, log = start(["-n", "2", "--mixed-precision", "bf16", *demo], tmp_path, "bf16.log")
+    no_proc, no_log = start(["-n", "2", "--mixed-precision", "bf16", *demo, "--precision", "no"],
+                            tmp_path, "no.log")  # independent of the first: side by side
     assert finish(proc, 180) == 0, log.read_text()[-3000:]
     text = log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
     assert len(epochs) == 1 and epochs[0].endswith("(2 processes on cpu, bf16)"), text
     assert "overrides" not in text
 
-    proc, log = start(["-n", "2", "--mixed-precision", "bf16", *demo, "--precision", "no"],
-                       tmp_path, "no.log")
-    assert finish(proc, 180) == 0, log.read_text()[-3000:]
-    text = log.read_text()
+    assert finish(no_proc, 180) == 0, no_log.read_text()[-3000:]
+    text = no_log.read_text()
     epochs = [line for line in text.splitlines() if line.startswith("epoch")]
     assert len(epochs) == 1 and epochs[0].endswith("fp32)"), text  # the explicit one wins
     assert text.count("mixed_precision('no') in the script overrides the launcher's "

@@ -5,9 +5,11 @@ Never a hang: each scenario ends on every rank with an error naming the cause, w
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
-from ._spawn import spawn
+from ._spawn import outcome, side_by_side, spawn
 from ._timeouts import scaled
 from .workers import failures
 
@@ -16,10 +18,21 @@ from .workers import failures
 FAST = 15.0
 
 
-@pytest.fixture(scope="module", params=[2, 3], ids=["world2", "world3"])
-def ranks(request, tmp_path_factory):
-    world = request.param
-    return world, spawn(failures.run_all, world, tmp_path_factory.mktemp("fail"), timeout=180)
+WORLDS = (2, 3)
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    """Both world sizes at once: their silent ranks' timeouts are waited out side by side."""
+    folders = {world: tmp_path_factory.mktemp("fail") for world in WORLDS}
+    return side_by_side({world: functools.partial(spawn, failures.run_all, world, folder,
+                                                  timeout=180)
+                         for world, folder in folders.items()})
+
+
+@pytest.fixture(scope="module", params=WORLDS, ids=["world2", "world3"])
+def ranks(request, worlds):
+    return request.param, outcome(worlds[request.param])
 
 
 def _outcomes(results, name):

@@ -4,8 +4,10 @@ The kill test is the promise: a 2-rank run (MLP with dropout, AdamW, OneCycleLR,
 DataLoader sharded by accel_ctx) under `accel-ctx launch --max-restarts`, its ranks SIGKILLed at
 seeded random moments (mid-step, mid-save, right after a restart: restore and rendezvous),
 ends with weights, optimizer state and every step's loss bit-identical to a run never
-interrupted. SIGTERM instead makes every rank save at the next step boundary: no step is run
-twice. The single-process tests cover the scope's own rules in this process.
+interrupted, under distributed() and under sharded(). SIGTERM instead makes every rank save at
+the next step boundary: no step is run twice. The single-process tests cover the scope's own
+rules in this process; tests/test_resumable_elastic.py, elastic launcher nodes (a file of their
+own, so that the suite's two workers share the launcher runs).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import os
 import random
 import signal
+import subprocess
 import time
 import warnings
 from pathlib import Path
@@ -31,6 +34,7 @@ from ._timeouts import scaled
 
 SCRIPT = str(_launcher.SCRIPTS / "resumable_train.py")
 STEPS = 36  # 3 epochs of 96 samples, batch 4 per rank, 2 ranks
+ENGINES = ("ddp", "sharded")
 
 
 @pytest.fixture(autouse=True)
@@ -47,18 +51,27 @@ def _losses(out: Path, rank: int) -> list[tuple[int, str, str]]:
             (line.split() for line in path.read_text().splitlines() if line.strip())]
 
 
+def _start(tmp_path: Path, name: str, engine: str, restarts: int | None = 3,
+           log: str | None = None) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Launch the script on 2 processes, in (or on) ``name``'s folders: (launcher, its log,
+    the output folder). ``engine``: "ddp" (distributed()) or "sharded" (distributed(),
+    sharded()); ``restarts``: --max-restarts (None: none given)."""
+    ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
+    out.mkdir(exist_ok=True)
+    flags = [] if restarts is None else ["--max-restarts", str(restarts)]
+    proc, path = _launcher.start(["-n", "2", *flags, SCRIPT, str(ckpt), str(out), "3", engine],
+                                 tmp_path, log or f"{name}.log")
+    return proc, path, out
+
+
 def _run(tmp_path: Path, name: str, kills: int = 0, how: int = signal.SIGKILL,
          seed: int = 0, launcher_last: bool = False, engine: str = "ddp"
          ) -> tuple[Path, str, int]:
     """Launch the script (killing ``kills`` times); (its output folder, log, kills landed).
-    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it.
-    ``engine``: "ddp" (distributed()) or "sharded" (distributed(), sharded())."""
-    ckpt, out = tmp_path / f"{name}-ckpt", tmp_path / f"{name}-out"
-    out.mkdir()
+    ``launcher_last``: the last signal is SIGUSR1 to the launcher, which forwards it."""
     rng = random.Random(seed)
     moments = sorted(rng.sample(range(2, STEPS - 4), kills))
-    proc, log = _launcher.start(["-n", "2", "--max-restarts", str(kills + 3), SCRIPT, str(ckpt),
-                                 str(out), "3", engine], tmp_path, f"{name}.log")
+    proc, log, out = _start(tmp_path, name, engine, restarts=kills + 3)
     landed, killed = 0, set()
     deadline = time.monotonic() + scaled(240)
     for at in moments:
@@ -107,28 +120,40 @@ def _same(a: Any, b: Any) -> None:
         assert a == b
 
 
-def _reference(tmp: Path, engine: str) -> Path:
-    """The run never interrupted; started again once finished, it takes no step."""
-    out, _, _ = _run(tmp, "ref", engine=engine)
-    before = (out / "loss.rank0").read_text()
-    assert [s for s, _, _ in _losses(out, 0)] == list(range(1, STEPS + 1))
-    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp / "ref-ckpt"), str(out), "3",
-                                 engine], tmp, "again.log")
-    assert _launcher.finish(proc, 120) == 0, log.read_text()[-4000:]
-    assert (out / "loss.rank0").read_text() == before  # no step ran
-    assert "nothing left to run" in log.read_text()
-    assert len(list((tmp / "ref-ckpt").glob("ckpt-*"))) == 2  # keep_last
-    return out
+def _references(tmp: Path) -> dict[str, Path]:
+    """The run never interrupted, under each engine (the two launched side by side); started
+    again once finished, it takes no step. Each engine's output folder."""
+    runs = {engine: _start(tmp, engine, engine) for engine in ENGINES}
+    for proc, log, out in runs.values():
+        assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
+        assert [s for s, _, _ in _losses(out, 0)] == list(range(1, STEPS + 1))
+    before = {engine: (out / "loss.rank0").read_text() for engine, (_, _, out) in runs.items()}
+    again = {engine: _start(tmp, engine, engine, restarts=None, log=f"{engine}-again.log")
+             for engine in ENGINES}
+    for engine, (proc, log, out) in again.items():
+        assert _launcher.finish(proc, 120) == 0, log.read_text()[-4000:]
+        assert (out / "loss.rank0").read_text() == before[engine]  # no step ran
+        assert "nothing left to run" in log.read_text()
+        assert len(list((tmp / f"{engine}-ckpt").glob("ckpt-*"))) == 2  # keep_last
+    return {engine: out for engine, (_, _, out) in runs.items()}
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _reference(tmp_path_factory.mktemp("reference"), "ddp")
+def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    try:
+        return _references(tmp_path_factory.mktemp("references"))
+    finally:  # one failed: the other is not left running (no test's teardown stops it)
+        _launcher.stop_all()
 
 
 @pytest.fixture(scope="module")
-def sharded_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _reference(tmp_path_factory.mktemp("sharded-reference"), "sharded")
+def reference(references: dict[str, Path]) -> Path:
+    return references["ddp"]
+
+
+@pytest.fixture(scope="module")
+def sharded_reference(references: dict[str, Path]) -> Path:
+    return references["sharded"]
 
 
 def _same_as(out: Path, reference: Path) -> None:
@@ -155,6 +180,18 @@ def test_sigkill_at_random_moments_ends_bit_identical(tmp_path, reference, monke
 
 
 @pytest.mark.slow
+def test_sharded_sigkill_at_random_moments_ends_bit_identical(tmp_path, sharded_reference,
+                                                              monkeypatch):
+    """The same under sharded(): each rank saves and restores its own shards through DCP."""
+    monkeypatch.setenv("STEP_SLEEP", "0.02")
+    kills = max(3, int(os.environ.get("ACCEL_CTX_TEST_KILLS", "5")) * 3 // 5)
+    out, text, landed = _run(tmp_path, "killed", kills=kills, seed=62, engine="sharded")
+    assert landed >= kills - 1, text[-4000:]
+    _same_as(out, sharded_reference)
+    assert len({a for _, _, a in _losses(out, 0)}) >= 3, text[-4000:]
+
+
+@pytest.mark.slow
 def test_sigterm_or_sigusr1_save_at_the_boundary_and_lose_no_step(tmp_path, reference, monkeypatch):
     monkeypatch.setenv("STEP_SLEEP", "0.02")
     out, text, landed = _run(tmp_path, "termed", kills=2, how=signal.SIGTERM, seed=7,
@@ -171,32 +208,54 @@ def test_sigterm_or_sigusr1_save_at_the_boundary_and_lose_no_step(tmp_path, refe
     assert len({a for _, _, a in _losses(out, 0)}) == 3
 
 
+SWITCHES = [("ddp", "sharded"), ("sharded", "ddp")]
+
+
+@pytest.fixture(scope="module")
+def switched(tmp_path_factory: pytest.TempPathFactory
+             ) -> dict[tuple[str, str], tuple[Path, list[tuple[int, str]]]]:
+    """Each switch's run, both side by side: under the first engine up to half way (STOP_AT),
+    then under the other. (Output folder, [(exit code, log)] of each launch) per switch."""
+    tmp = tmp_path_factory.mktemp("switch")
+    legs: dict[tuple[str, str], list[tuple[int, str]]] = {pair: [] for pair in SWITCHES}
+    try:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("STOP_AT", str(STEPS // 2))
+            runs = {pair: _start(tmp, "-".join(pair), pair[0]) for pair in SWITCHES}
+        for pair, (proc, log, _) in runs.items():
+            legs[pair].append((_launcher.finish(proc, 240), log.read_text()))
+        then = {pair: _start(tmp, "-".join(pair), pair[1], restarts=None,
+                             log=f"{'-'.join(pair)}-then.log") for pair in SWITCHES}
+        for pair, (proc, log, _) in then.items():
+            legs[pair].append((_launcher.finish(proc, 240), log.read_text()))
+    finally:  # one timed out: the other is not left running
+        _launcher.stop_all()
+    return {pair: (runs[pair][2], legs[pair]) for pair in SWITCHES}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("first, then", [("ddp", "sharded"), ("sharded", "ddp")])
+@pytest.mark.parametrize("first, then", SWITCHES)
 def test_a_run_continues_across_a_switch_between_distributed_and_sharded(
-        tmp_path, reference, sharded_reference, monkeypatch, first, then):
+        switched, references, first, then):
     """Saved under one engine, the run continues under the other: DCP re-lays the weights and
     the optimizer state out (whole on each rank <-> each rank's shards), the loaders go on
     from the saved positions. Up to the switch the run is the first engine's, bit for bit;
     after it, the second engine's arithmetic: equal to its uninterrupted run up to rounding
     (on this model and 2 ranks the two engines happen to agree bit for bit)."""
-    runs = {"ddp": reference, "sharded": sharded_reference}
-    monkeypatch.setenv("STOP_AT", str(STEPS // 2))
-    out, _, _ = _run(tmp_path, "switch", engine=first)
-    monkeypatch.delenv("STOP_AT")
-    proc, log = _launcher.start(["-n", "2", SCRIPT, str(tmp_path / "switch-ckpt"), str(out),
-                                 "3", then], tmp_path, "then.log")
-    assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
-    assert "resuming from ckpt-" in log.read_text()
+    out, [(code, text), (then_code, then_text)] = switched[first, then]
+    assert code == 0, text[-6000:]
+    assert then_code == 0, then_text[-6000:]
+    assert "resuming from ckpt-" in then_text
     for rank in range(2):
         got = _losses(out, rank)
         assert [s for s, _, _ in got] == list(range(1, STEPS + 1)), got  # each step once
         before = [loss for s, loss, _ in got if s <= STEPS // 2]
-        assert before == [loss for s, loss, _ in _losses(runs[first], rank)][:STEPS // 2]
+        assert before == [loss for s, loss, _ in _losses(references[first], rank)][:STEPS // 2]
         after = torch.tensor([float.fromhex(loss) for s, loss, _ in got if s > STEPS // 2])
-        want = torch.tensor([float.fromhex(loss) for s, loss, _ in _losses(runs[then], rank)])
+        want = torch.tensor([float.fromhex(loss) for s, loss, _ in
+                             _losses(references[then], rank)])
         torch.testing.assert_close(after, want[STEPS // 2:], rtol=1e-5, atol=1e-6)
-        final, ref = _final(out, rank), _final(runs[then], rank)
+        final, ref = _final(out, rank), _final(references[then], rank)
         assert final["step"] == ref["step"] and final["lr"] == ref["lr"]
         for part in ("params", "optimizer"):
             assert final[part].keys() == ref[part].keys()
