@@ -6,9 +6,7 @@ that will never come and say what they wait for, so they cannot block in one lon
 out (1,142 lines in a ten-minute wait), and polling with ``check`` loads the store with every
 rank's requests. So the wait itself runs in a helper thread, on a store client of its own (a
 TCPStore connection is held for the whole of a wait), and wakes the caller the moment the key
-is set; the caller looks around every ``every`` seconds meanwhile. A wait the caller gave up at
-its deadline ends there too, and the interpreter's exit waits for that (``probe.settle``):
-returning from torch's C++ during the interpreter's teardown would abort the process.
+is set; the caller looks around every ``every`` seconds meanwhile.
 
 Examples:
     >>> from datetime import timedelta
@@ -27,10 +25,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from .probe import in_thread
-
 _POLL_S = 0.05  # the longest pause between two checks where a store cannot be cloned
-_ENDS_S = 5.0  # a helper's store.wait has returned this long after its deadline
 
 
 class KeyWait:
@@ -57,7 +52,7 @@ class KeyWait:
                 client.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
             woke.set()
 
-        in_thread(run, "accel_ctx-wait", ends_by=deadline + _ENDS_S)
+        threading.Thread(target=run, name="accel_ctx-wait", daemon=True).start()
         while not woke.wait(max(0.0, min(every, deadline - time.monotonic()))):
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"no {key!r} within {seconds:g} s")

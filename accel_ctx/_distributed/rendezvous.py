@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from functools import partial
 from typing import Any
 from urllib.parse import urlparse
 
@@ -34,7 +33,6 @@ from .probe import in_thread
 PROGRESS_VAR = "ACCEL_CTX_RDZV_PROGRESS_S"
 _log = logging.getLogger("accel_ctx")
 _MAX_NAMED = 32  # ranks named in a message; larger jobs get counts
-_LISTEN_POLL_S = 0.2  # between two looks for rank 0's store before it listens
 
 
 def progress_interval() -> float:
@@ -128,25 +126,13 @@ def connect(launch: _env.LaunchEnv, init_method: str | None, timeout: timedelta,
 def _serve(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
            waiter: Waiter) -> Store:
     """Rank 0 serves the store on ``port``; TCPStore then connects to it at ``host:port``,
-    which retries until its timeout (in torch's C++ warnings) when ``host`` does not lead back
-    to this machine: so it runs in a daemon thread while this one reports progress, in attempts
-    of a few seconds (one cut off by the deadline ends soon after it, before the interpreter's
-    teardown: see ``probe``)."""
-    doing = f"serving the store on port {port} and connecting to it at {host}"
-    while True:
-        attempt = _attempt_s(waiter)
-        got = _within(partial(TCPStore, host, port, launch.coordinates.world_size,
-                              is_master=True, timeout=timedelta(seconds=attempt),
-                              wait_for_workers=False, multi_tenant=True),
-                      waiter, doing, attempt)
-        if not got or not isinstance(got[0], BaseException) or _probe.address_in_use(got[0]):
-            break
-        if waiter.left() <= 0:
-            break
-        _pause(waiter, doing)
+    which retries until the timeout (in torch's C++ warnings) when ``host`` does not lead back
+    to this machine: so it runs in a daemon thread while this one reports progress."""
+    got = _within(lambda: TCPStore(host, port, launch.coordinates.world_size, is_master=True,
+                                   timeout=timeout, wait_for_workers=False, multi_tenant=True),
+                  waiter, f"serving the store on port {port} and connecting to it at {host}")
     if got and not isinstance(got[0], BaseException):
         store: Store = got[0]
-        store.set_timeout(timeout)  # the store's own waits take the scope's timeout
         waiter.serving = True
         return store
     if got and _probe.address_in_use(got[0]):
@@ -174,22 +160,11 @@ def _serve(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
     )) from (got[0] if got else None)
 
 
-def _attempt_s(waiter: Waiter) -> float:
-    """One TCPStore constructor's own timeout: short, so that one the deadline cut off ends
-    soon after it; within the time left."""
-    return max(0.05, min(_probe.ATTEMPT_S, waiter.left()))
-
-
-def _pause(waiter: Waiter, doing: str, seconds: float = 1.0) -> None:
-    time.sleep(max(0.0, min(seconds, waiter.poll_s(), waiter.left())))
-    waiter.tick(doing)
-
-
-def _within(make: Any, waiter: Waiter, doing: str, attempt: float) -> list[Any]:
+def _within(make: Any, waiter: Waiter, doing: str) -> list[Any]:
     """``[make()]`` or ``[its exception]`` within the deadline, with progress lines; ``[]`` at
     the deadline (it goes on in a daemon thread: TCPStore's constructor can block past its
-    timeout ``attempt``; the interpreter's exit waits for it, see ``probe``)."""
-    thread, result = in_thread(make, "accel_ctx-rendezvous", _probe.store_ends_by(attempt))
+    timeout)."""
+    thread, result = in_thread(make, "accel_ctx-rendezvous")
     while not result and waiter.left() > 0:
         thread.join(waiter.poll_s())
         waiter.tick(doing)
@@ -198,39 +173,18 @@ def _within(make: Any, waiter: Waiter, doing: str, attempt: float) -> list[Any]:
 
 def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
                     waiter: Waiter) -> Store:
-    """Wait (in Python) until something accepts connections at ``host:port``, then connect to
-    the store there. TCPStore's constructor is never left retrying a refused address past the
-    deadline: it would end during the interpreter's teardown, which aborts the process."""
-    doing = "connecting to rank 0's store"
-    got: list[Any] = []
-    while _listening(host, port, waiter, doing):
-        attempt = _attempt_s(waiter)
-        got = _within(partial(TCPStore, host, port, launch.coordinates.world_size,
-                              is_master=False, timeout=timedelta(seconds=attempt),
-                              wait_for_workers=False),
-                      waiter, doing, attempt)
-        if got and not isinstance(got[0], BaseException):
-            store: Store = got[0]
-            store.set_timeout(timeout)  # the store's own waits take the scope's timeout
-            return store
-        if not got:  # something accepts but never answers, until the deadline
-            break
-        _pause(waiter, doing)
+    got = _within(lambda: TCPStore(host, port, launch.coordinates.world_size, is_master=False,
+                                   timeout=timeout, wait_for_workers=False),
+                  waiter, "connecting to rank 0's store")
+    if got and not isinstance(got[0], BaseException):
+        store: Store = got[0]
+        return store
     cause = _diagnose(host, port)
     raise waiter.fail(cause, (
         f"Start rank 0 first or together with the others, and check that MASTER_ADDR/"
         f"MASTER_PORT ({host}:{port}) is rank 0's address and reachable from this host; "
         "raise distributed(timeout=...) if start-up is slow."
     )) from (got[0] if got else None)
-
-
-def _listening(host: str, port: int, waiter: Waiter, doing: str) -> bool:
-    """Whether something accepts connections at ``host:port`` before the deadline."""
-    while waiter.left() > 0:
-        if _probe.connect_error(host, port, min(1.0, max(0.05, waiter.left()))) is None:
-            return True
-        _pause(waiter, doing, _LISTEN_POLL_S)
-    return False
 
 
 def _diagnose(host: str, port: int) -> str:
