@@ -6,7 +6,7 @@ built-in ``ValueError`` or ``TypeError``, so existing ``except`` clauses keep wo
 Examples:
     >>> from accel_ctx import errors, mixed_precision
     >>> try:
-    ...     mixed_precision("fp8")
+    ...     mixed_precision("fp4")
     ... except errors.ConfigurationError as e:
     ...     print(type(e).__name__)
     ConfigurationError
