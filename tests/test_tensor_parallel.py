@@ -94,6 +94,10 @@ def test_save_model_of_a_tp_fsdp_model_writes_full_weights_with_the_users_keys(s
         assert torch.equal(value, four[0]["ckpt_stop"]["weights"][key]), key
 
 
+def _without_key_biases(weights):
+    return {k: v for k, v in weights.items() if not k.endswith("attn.k.bias")}
+
+
 def test_adamw_under_sharded_tp_trains_like_one_process(four):
     reference = w.train("plain", BATCH * 2, optimizer="adamw")["weights"]
     # a key bias gets no gradient (softmax ignores what it adds to every score): its gradient
@@ -219,6 +223,12 @@ def test_distributed_tp2_on_two_ranks_trains_like_one_process_and_takes_a_2x2_ch
         _close(result["sp_lp"]["weights"], both, f"rank {rank}: sequence + loss parallel")
         assert got["where"]["dp_size"] == 1 and got["where"]["tp_rank"] == rank
         assert got["seen"] == reference["seen"]
+        # foreach and fused optimizer steps (CUDA's defaults) over split and plain parameters
+        _close(result["sgd-foreach"], got["weights"], f"rank {rank}: SGD(foreach=True)")
+        adamw = _without_key_biases(result["adamw"])  # rounding noise, as above
+        for how in ("foreach", "fused"):
+            _close(_without_key_biases(result[f"adamw-{how}"]), adamw,
+                   f"rank {rank}: AdamW({how}=True)", rtol=1e-4)
         # the 2x2 checkpoint (sharded(tp=2) on 4 ranks) resharded onto TP 2 / DP 1
         assert result["resharded_split"] == "DTensor"
         for key, value in four[0]["ckpt_stop"]["weights"].items():

@@ -104,6 +104,8 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
               if options.tp is not None and options.tp > 1 else None)
     if tensor is not None and tensor.loss_parallel:
         exits.enter_context(loss_parallel_on())  # the user's loss and backward: on the shards
+    if tensor is not None:  # a step that raised left it on: off when the scope ends
+        exits.callback(_tensor_parallel.replicate_plain_tensors, False)
     if outer_runtime is not None:
         outer = outer_runtime.job
         check_nested(outer.device, outer.backend, outer.root.options, options)
@@ -236,10 +238,20 @@ class DistributedRuntime(Concern):
         progress = self.job.progress
         progress.step, progress.seq = session.step, 0
         progress.mark(STEP)
+        if self._plain_beside_split:
+            _tensor_parallel.replicate_plain_tensors(True)
 
     @override
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.job.progress.phase = AFTER_STEP
+        if self._plain_beside_split:
+            _tensor_parallel.replicate_plain_tensors(False)
+
+    @property
+    def _plain_beside_split(self) -> bool:
+        """TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors."""
+        return self.tensor is not None and not _tensor_parallel.shards_over_dp(self.job,
+                                                                                self.plan)
 
     # ---- state() and checkpoints -----------------------------------------------------------------
     @override

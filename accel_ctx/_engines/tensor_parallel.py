@@ -103,7 +103,7 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
     mesh = job.tp_mesh
     parallelize_module(model, mesh["tp"], styles)
-    sharded = sharding is not None and job.coordinates.dp_size > 1
+    sharded = shards_over_dp(job, sharding)
     if sharded:
         assert sharding is not None
         blocks = _fsdp.find_blocks(module, sharding.blocks)
@@ -116,6 +116,25 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     for optimizer in list(session.optimizers.keys()):
         _adopt.adopt_optimizer(job, optimizer)  # met before: point them at the new parameters
     return TensorEngine(module, sharded)
+
+
+def shards_over_dp(job: Job, sharding: _fsdp.ShardingPlan | None) -> bool:
+    """Whether FSDP2 takes the split model over "dp" (every parameter then a DTensor)."""
+    return sharding is not None and job.coordinates.dp_size > 1
+
+
+def replicate_plain_tensors(on: bool) -> None:
+    """Treat plain tensors as replicated over "tp" in DTensor ops (``on``) or refuse them again.
+
+    Without FSDP2 over "dp", the parameters the plan leaves alone stay plain tensors beside the
+    split DTensors. A foreach or fused optimizer step (CUDA's default) updates them in one list,
+    which DTensor refuses ("got mixed torch.Tensor and DTensor"); torch's answer is
+    ``implicit_replication()`` around the step. It is true of these tensors: every rank of a TP
+    group holds the same values and computes the same gradients for them.
+    """
+    from torch.distributed.tensor import DTensor
+
+    DTensor._op_dispatcher._allow_implicit_replication = on
 
 
 def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> None:

@@ -142,9 +142,13 @@ def scope(kind: str, k: int = 1, variant: str = "") -> Iterator[None]:
 
 
 def make_optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
+    """``name``: "sgd" or "adamw", with "-foreach" or "-fused" for those implementations (the
+    defaults on CUDA; the CPU's default is the for-loop one)."""
+    name, _, how = name.partition("-")
+    kind = {"": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}[how]
     if name == "adamw":
-        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, **kind)
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, **kind)
 
 
 def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | None = None,
@@ -326,6 +330,10 @@ def two_ranks(batch: int, root: str, ckpt: str) -> dict[str, Any]:
     checkpoint ``ckpt`` (sharded(tp=2) on 4 ranks) loaded resharded onto TP 2 / DP 1."""
     out = {"train": train("distributed", batch, save=f"{root}/tp_only.pt"),
            "sp_lp": train("distributed", batch, variant="sp_lp")}
+    # the parameters outside the plan stay plain tensors beside the split ones: the foreach and
+    # fused steps (CUDA's defaults) take both kinds in one list
+    for name in ("sgd-foreach", "adamw", "adamw-foreach", "adamw-fused"):
+        out[name] = train("distributed", batch, optimizer=name)["weights"]
     with scope("distributed"):
         torch.manual_seed(5)  # other weights than the checkpoint's
         model = GPT()
