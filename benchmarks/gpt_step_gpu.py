@@ -11,9 +11,13 @@ memory (``torch.cuda.max_memory_allocated``; on the CPU, the process's peak RSS)
 
     python benchmarks/gpt_step_gpu.py                              # bf16 and fp16, eager
     python benchmarks/gpt_step_gpu.py --compile                    # and torch.compile
+    python benchmarks/gpt_step_gpu.py --precision fp8 --compile    # torchao float8 (H100/H200)
     python benchmarks/gpt_step_gpu.py --device cpu --smoke         # a tiny check of the script
 
 Accelerate and Fabric are measured when they import (``pip install accelerate lightning``).
+fp8 is torchao's float8 training of the Linear layers (in and out features multiples of 16)
+under bf16 autocast, by hand (``convert_to_float8_training``) and as ``mixed_precision("fp8")``;
+the peers are not timed in fp8.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def _loss(logits: Any, y: Any) -> Any:
     return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
 
 
+def _fp8_qualifies(module: Any, name: str) -> bool:
+    """The Linear layers that mixed_precision("fp8") converts: both dims multiples of 16."""
+    return bool(module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
 def _time(step: Any, loader: Any, warmup: int, sync: Any) -> float:
     batches = iter(loader)
     for _ in range(warmup):
@@ -67,7 +76,7 @@ def worker(side: str, args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, width=args.width, layers=args.layers,
                     heads=args.heads)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.precision]
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[args.precision]
     cuda = device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     loader = _loader(cfg, args.batch, args.warmup + args.steps, cuda)
@@ -75,6 +84,10 @@ def worker(side: str, args: argparse.Namespace) -> dict[str, Any]:
 
     if side in ("hand", "hand_again"):
         model = make_gpt(cfg).to(device)
+        if args.precision == "fp8":  # torchao's recipe: convert, then the optimizer and compile
+            from torchao.float8 import convert_to_float8_training
+
+            convert_to_float8_training(model, module_filter_fn=_fp8_qualifies)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
         net = torch.compile(model) if args.compile else model
         scaler = torch.amp.GradScaler(device.type, enabled=args.precision == "fp16")
@@ -142,8 +155,12 @@ def worker(side: str, args: argparse.Namespace) -> dict[str, Any]:
     peak = (torch.cuda.max_memory_allocated() if cuda
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     tokens = args.batch * args.seq / seconds
+    from torch._dynamo.utils import counters
+
     return {"ms": seconds * 1e3, "peak": peak, "tokens_per_s": tokens,
-            "params": parameter_count(make_gpt(cfg))}
+            "params": parameter_count(make_gpt(cfg)),
+            "graphs": counters["stats"]["unique_graphs"],
+            "breaks": sum(counters["graph_break"].values())}
 
 
 def _available(side: str) -> bool:
@@ -160,7 +177,8 @@ def _available(side: str) -> bool:
 def _run(side: str, args: argparse.Namespace, compiled: bool, precision: str) -> dict[str, Any]:
     command = [sys.executable, __file__, "--worker", side, "--precision", precision,
                *(["--compile"] if compiled else []), *args.passthrough]
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
+    path = [os.path.dirname(os.path.abspath(__file__)), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{side} failed:\n{done.stderr[-3000:]}")
@@ -175,8 +193,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=SIDES)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--precision", choices=("bf16", "fp16", "both"), default="both")
+    parser.add_argument("--precision", choices=("bf16", "fp16", "fp8", "both", "all"),
+                        default="both", help="both: bf16 and fp16; all: and fp8")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--only-compiled", action="store_true",
+                        help="with --compile: the compiled rows alone")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
@@ -202,16 +223,18 @@ def main() -> None:
     args.passthrough = [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in (
         "device", "steps", "warmup", "batch", "seq", "vocab", "width", "layers", "heads")]
     sides = [s for s in SIDES if _available(s)]
-    precisions = ("bf16", "fp16") if args.precision == "both" else (args.precision,)
+    precisions = {"both": ("bf16", "fp16"), "all": ("bf16", "fp16", "fp8")}.get(
+        args.precision, (args.precision,))
     print(f"GPT {args.layers}x{args.width}, vocab {args.vocab}, batch {args.batch}x{args.seq} "
           f"on {args.device}; {args.rounds} rounds of {args.steps} steps; sides: "
           f"{', '.join(sides)}")
     print(f"{'precision':<10}{'mode':<9}{'side':<12}{'ms/step':>9}{'ratio':>8}{'MFU':>7}"
-          f"{'peak GiB':>10}")
+          f"{'peak GiB':>10}{'graphs/breaks':>15}")
     for precision in precisions:
-        for compiled in (False, True) if args.compile else (False,):
-            runnable = [s for s in sides if not compiled or s in ("hand", "hand_again",
-                                                                  "accel_ctx")]
+        modes = ((True,) if args.only_compiled else (False, True)) if args.compile else (False,)
+        for compiled in modes:
+            ours = ("hand", "hand_again", "accel_ctx")  # the peers: eager bf16/fp16 only
+            runnable = [s for s in sides if s in ours or not (compiled or precision == "fp8")]
             results: dict[str, list[dict[str, Any]]] = {s: [] for s in runnable}
             for r in range(args.rounds):
                 order = runnable[r % len(runnable):] + runnable[:r % len(runnable)]
@@ -226,8 +249,9 @@ def main() -> None:
                 mfu = flops / (args.peak_tflops * 1e12)
                 peak = max(x["peak"] for x in runs) / 2**30
                 label = "A/A floor" if side == "hand_again" else side
+                graphs = f"{runs[0]['graphs']}/{runs[0]['breaks']}" if compiled else "-"
                 print(f"{precision:<10}{'compiled' if compiled else 'eager':<9}{label:<12}"
-                      f"{ms:>9.2f}{ratio:>8.3f}{mfu:>7.1%}{peak:>10.2f}")
+                      f"{ms:>9.2f}{ratio:>8.3f}{mfu:>7.1%}{peak:>10.2f}{graphs:>15}")
 
 
 if __name__ == "__main__":

@@ -133,6 +133,38 @@ def test_nccl_two_ranks_are_equivalent_and_sync_batchnorm(tmp_path):
     assert all(r["bn_class_after"] == "BatchNorm1d" for r in results)
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL takes one rank "
+                    "per GPU; gloo cannot carry DTensor's CUDA collectives: it crashed on one)")
+def test_tensor_parallel_on_two_gpus_trains_like_one_process(tmp_path):
+    """The TP path on CUDA ends where the same loop in one process on the GPU ends: fp32
+    allclose; bf16 close and falling. On CUDA the optimizer's default step is foreach."""
+    import torch.nn.functional as F
+
+    from .workers.sharded import full_weights, tokens
+    from .workers.tensor_parallel import GPT, make_optimizer
+
+    results = spawn(gpu.tensor_parallel_on_two_gpus, 2, tmp_path, 8)
+    references = {}
+    for precision in ("no", "bf16"):
+        with distributed(device="cuda:0"), mixed_precision(precision):
+            torch.manual_seed(0)
+            model = GPT()
+            opt = make_optimizer(model, "sgd")
+            for x, y in DataLoader(tokens(32), batch_size=8, shuffle=True):
+                F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+                opt.step()
+                opt.zero_grad()
+            references[precision] = full_weights(model)
+    for rank, result in enumerate(results):
+        for precision, tolerance in (("no", 1e-4), ("bf16", 2e-2)):
+            run = result[precision]
+            assert run["split"] == "DTensor" and run["devices"] == [f"cuda:{rank}"]
+            assert run["tp"] == (rank, 2) and run["losses"][-1] < run["losses"][0]
+            for k, weight in references[precision].items():
+                torch.testing.assert_close(run["weights"][k], weight, rtol=tolerance,
+                                           atol=tolerance)
+
+
 @pytest.mark.parametrize("meta", [False, True], ids=["built on cpu", "built on meta"])
 def test_sharded_on_one_gpu_places_the_model_and_trains(meta):
     # One process: nothing to shard, but the model goes to the GPU (a meta one is made there)
@@ -156,3 +188,51 @@ def test_sharded_on_one_gpu_places_the_model_and_trains(meta):
         assert all(p.is_cuda for p in model.parameters())
         assert all(p.is_cuda for s in opt.state.values() for p in s.values() if p.dim() > 0)
         assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fp8_on_the_gpu_matches_torchaos_recipe_by_hand(compiled):
+    """mixed_precision("fp8") on a GPU with float8 matmuls (compute capability 8.9+) trains as
+    torchao's recipe written by hand: convert_to_float8_training, bf16 autocast, AdamW."""
+    pytest.importorskip("torchao", reason="mixed_precision('fp8') needs torchao")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 matmuls need compute capability 8.9 or newer")
+    from torchao.float8 import convert_to_float8_training
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 64), nn.GELU(),
+                             nn.Linear(64, 16))
+
+    data = [(torch.randn(32, 64, generator=torch.Generator().manual_seed(i)),
+             torch.randint(0, 16, (32,), generator=torch.Generator().manual_seed(i)))
+            for i in range(8)]
+
+    def hand() -> tuple[dict[str, torch.Tensor], list[str]]:
+        model = make().cuda()
+        convert_to_float8_training(model)
+        net = torch.compile(model) if compiled else model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for x, y in data:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = F.cross_entropy(net(x.cuda()), y.cuda())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        return params(model), [type(m).__name__ for m in model]
+
+    def ours() -> tuple[dict[str, torch.Tensor], list[str]]:
+        with distributed(), mixed_precision("fp8"):
+            model = make()
+            net = torch.compile(model) if compiled else model
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            for x, y in DataLoader(data, batch_size=None):  # batches to the GPU
+                F.cross_entropy(net(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+            return params(model), [type(m).__name__ for m in model]
+
+    (reference, kinds), (scoped, scoped_kinds) = hand(), ours()
+    assert scoped_kinds == kinds and kinds.count("Float8Linear") == 3
+    for k in reference:
+        torch.testing.assert_close(scoped[k], reference[k], rtol=1e-5, atol=1e-6)
