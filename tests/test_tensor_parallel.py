@@ -51,6 +51,18 @@ def test_clipping_by_the_global_norm_over_both_mesh_dims_and_the_plain_ones(four
         _close(result["clip"]["weights"], reference["weights"], f"rank {rank}: clipped")
 
 
+def test_hsdp_over_tp_groups_trains_like_one_process_on_a_3d_mesh(tmp_path):
+    # sharded(tp=2, shard_size=2) on 8 ranks: 2 copies x 2 shards x 2 tp, clipped by the norm
+    per_rank = spawn(w.eight_ranks, 8, tmp_path, BATCH, timeout=300)
+    reference = w.train("plain", BATCH * 4, clip=0.05)
+    for rank, got in enumerate(per_rank):
+        _close(got["weights"], reference["weights"], f"rank {rank}: HSDP x TP")
+        (split_dims, split), (whole_dims, whole) = got["mesh"]
+        assert split_dims == ("replicate", "shard", "tp") and split[-1] == "S(0)", got
+        assert whole_dims == ("replicate", "shard") and whole[0] == "R", got
+        assert got["where"]["dp_size"] == 4 and got["where"]["tp_rank"] == rank % 2
+
+
 def test_accumulate_under_sharded_tp_trains_like_one_process(four):
     reference = w.train("plain", BATCH * 2, k=2)
     for rank, result in enumerate(four):
@@ -169,6 +181,7 @@ def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
         assert "'layers.*.attn.qq' names no module" in said["missing_module"]
         assert "n_heads = 2" in said["heads"] and "tp=4" in said["heads"]
         assert "names none of its modules" in said["declared_names_none"]
+        assert "shard_size=1" in said["hsdp_of_one"] and ">= 2" in said["hsdp_of_one"]
         # a model reshaping by its whole head count (torch's error, explained)
         assert "whole head count" in said["hard_coded_heads"], said["hard_coded_heads"]
         assert "view(b, t, -1, head_dim)" in said["hard_coded_heads"]

@@ -145,24 +145,44 @@ class Job:
         return self._cached_mesh(("dp,tp", where.tp_size), (where.dp_size, where.tp_size),
                                  ("dp", "tp"))
 
+    def tp_mesh_for(self, shard_size: int | None) -> DeviceMesh:
+        """The mesh a split model lives on: :attr:`tp_mesh`, or with HSDP (copies of
+        ``shard_size`` data-parallel ranks each) ``("replicate", "shard", "tp")``: one root mesh
+        for the split and the sharding, as FSDP2 requires of a split parameter."""
+        where = self.coordinates
+        if shard_size is None or shard_size == where.dp_size:
+            return self.tp_mesh
+        self._check_shard_size(shard_size)
+        if shard_size == 1:  # torch's FSDP2 over a "shard" dimension of one rank fails under TP
+            raise ConfigurationError(
+                f"sharded(tp={where.tp_size}, shard_size=1): copies of one data-parallel rank "
+                "each (nothing sharded) are not supported with tensor parallelism. Give "
+                f"shard_size >= 2 (a divisor of the {where.dp_size} data-parallel ranks), or drop "
+                "shard_size to shard over all of them.")
+        return self._cached_mesh(
+            ("replicate,shard,tp", shard_size),
+            (where.dp_size // shard_size, shard_size, where.tp_size), ("replicate", "shard", "tp"))
+
     def sharding_mesh(self, shard_size: int | None) -> DeviceMesh:
         """The mesh a sharded model lives on: ``("dp",)`` when one copy is sharded over every
         data-parallel rank, else ``("replicate", "shard")``: copies of ``shard_size`` ranks each
-        (HSDP), built on first use."""
+        (HSDP; under tensor parallelism the first two dimensions of :meth:`tp_mesh_for`), built
+        on first use."""
         size = self.coordinates.dp_size
         if shard_size is None or shard_size == size:
             return self.mesh
         if self.coordinates.tp_size > 1:
-            raise ConfigurationError(
-                f"sharded(tp={self.coordinates.tp_size}) with shard_size= or hybrid=: HSDP "
-                "over tensor-parallel groups (a 3-D mesh) is not supported yet. Drop "
-                "shard_size/hybrid to shard over every data-parallel rank, or drop tp.")
+            return self.tp_mesh_for(shard_size)["replicate", "shard"]
+        self._check_shard_size(shard_size)
+        return self._cached_mesh(("hsdp", shard_size), (size // shard_size, shard_size),
+                                 ("replicate", "shard"))
+
+    def _check_shard_size(self, shard_size: int) -> None:
+        size = self.coordinates.dp_size
         if shard_size < 1 or size % shard_size:
             raise ConfigurationError(
                 f"sharded(shard_size={shard_size}): the {size} data-parallel ranks cannot be "
                 f"split into groups of {shard_size}; give a divisor of {size}.")
-        return self._cached_mesh(("hsdp", shard_size), (size // shard_size, shard_size),
-                                 ("replicate", "shard"))
 
 
 def _split(where: Coordinates, tp: int) -> Coordinates:

@@ -55,8 +55,9 @@ class sharded(Scope):
             groups of that many ranks (FSDP2's option).
         cpu_offload: keep the shards, gradients and optimizer step on the CPU (GPU jobs).
         shard_size: shard each copy of the model over this many ranks and replicate the copies
-            (HSDP); None shards over all ranks.
-        hybrid: HSDP with one copy per machine (``shard_size`` = processes per node).
+            (HSDP; under ``tp``, data-parallel ranks); None shards over all ranks.
+        hybrid: HSDP with one copy per machine (``shard_size`` = processes per node; with
+            ``tp``, its data-parallel ranks: processes per node / ``tp``).
         **options: ``distributed()`` options, used when this scope forms the job.
 
     Examples:

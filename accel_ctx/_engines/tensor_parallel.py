@@ -4,7 +4,9 @@ A model's first top-level call outside rank-only code adopts it and, in torchtit
 every rank takes rank 0's weights (a broadcast, as DDP's engine does); torch's
 ``parallelize_module`` splits the planned layers over the "tp" dimension of the job's
 ``("dp", "tp")`` mesh (``Job.tp_mesh``: groups of consecutive ranks); under ``sharded()``,
-``fully_shard`` then shards every parameter over the "dp" dimension (blocks, then the root).
+``fully_shard`` then shards every parameter over the "dp" dimension (blocks, then the root), or
+with ``shard_size``/``hybrid`` (HSDP) over the "replicate" and "shard" dimensions of a
+``("replicate", "shard", "tp")`` mesh.
 The replaced parameters are recorded in the job's ``Adoption``, so every optimizer follows them.
 
 The plan is the scope's ``tp_plan`` or the one the model declares (transformers'
@@ -98,12 +100,13 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     # torch.compile(model)'s wrapper: the plan names the user's model's modules
     model = module._modules.get("_orig_mod") or module
     styles = resolve(model, tensor)
+    sharded = shards_over_dp(job, sharding)
+    # HSDP: the split and the sharding on one 3-D mesh ("replicate", "shard", "tp")
+    mesh = job.tp_mesh_for(_fsdp.shard_size(job, sharding) if sharding is not None else None)
     before = dict(module.named_parameters())
     _adopt.move_to_device(job, module)
     _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
-    mesh = job.tp_mesh
     parallelize_module(model, mesh["tp"], styles)
-    sharded = shards_over_dp(job, sharding)
     if sharded:
         assert sharding is not None
         blocks = _fsdp.find_blocks(module, sharding.blocks)

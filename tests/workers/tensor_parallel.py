@@ -136,6 +136,8 @@ def scope(kind: str, k: int = 1, variant: str = "") -> Iterator[None]:
         if kind in ("sharded", "distributed"):
             stack.enter_context({"sharded": sharded, "distributed": distributed}[kind](
                 tp=2, tp_plan=plan, loss_parallel=loss, timeout=scaled(60)))
+        elif kind == "hsdp":  # 8 ranks: 2 copies x 2 shards x 2 tp
+            stack.enter_context(sharded(tp=2, tp_plan=plan, shard_size=2, timeout=scaled(60)))
         if k > 1:
             stack.enter_context(accumulate(k))
         yield
@@ -197,6 +199,9 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | N
                 "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
                 "master": sorted({str(p.dtype) for p in model.parameters()}),
                 "split": type(model.layers[0].attn.q.weight).__name__,
+                "mesh": [(p.device_mesh.mesh_dim_names, [str(x) for x in p.placements])
+                         for p in (model.layers[0].attn.q.weight, model.layers[0].ln1.weight)
+                         if hasattr(p, "device_mesh")],
                 "outputs": sorted(outputs), "losses": losses,
                 "graph_breaks": sum(counters["graph_break"].values())}
 
@@ -223,6 +228,9 @@ def misuse() -> dict[str, str]:
         GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
     typo = {**PLAN, "layers.*.attn.qq": "colwise"}
     with sharded(tp=2, tp_plan=typo, timeout=scaled(60)), _refusal(said, "missing_module"):
+        GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with sharded(tp=2, tp_plan=PLAN, shard_size=1, timeout=scaled(60)), _refusal(
+            said, "hsdp_of_one"):
         GPT()(torch.zeros(2, CONTEXT, dtype=torch.long))
     with sharded(tp=4, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "heads"):
         GPT(heads=2)(torch.zeros(2, CONTEXT, dtype=torch.long))
@@ -420,6 +428,11 @@ def loss_parallel_left_on() -> bool:
     from torch.distributed.tensor import DTensor
 
     return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
+def eight_ranks(batch: int) -> dict[str, Any]:
+    """HSDP x TP: sharded(tp=2, shard_size=2) on 8 ranks, a 2 x 2 x 2 mesh."""
+    return train("hsdp", batch, clip=0.05)
 
 
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
