@@ -145,6 +145,12 @@ class Job:
         return self._cached_mesh(("dp,tp", where.tp_size), (where.dp_size, where.tp_size),
                                  ("dp", "tp"))
 
+    def copy_size(self, shard_size: int | None, hybrid: bool) -> int | None:
+        """The data-parallel ranks one copy of a sharded model spans (None: all of them);
+        ``hybrid``: those of one machine (its processes over each tensor-parallel group's)."""
+        where = self.coordinates
+        return shard_size or (where.local_world_size // where.tp_size if hybrid else None)
+
     def tp_mesh_for(self, shard_size: int | None) -> DeviceMesh:
         """The mesh a split model lives on: :attr:`tp_mesh`, or with HSDP (copies of
         ``shard_size`` data-parallel ranks each) ``("replicate", "shard", "tp")``: one root mesh

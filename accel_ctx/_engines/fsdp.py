@@ -172,20 +172,13 @@ def shard_options(job: Job, plan: ShardingPlan) -> dict[str, Any]:
             "sharded(cpu_offload=True) keeps parameters on the CPU between uses of an "
             "accelerator; this job's device is already the CPU. Drop cpu_offload, or run on GPUs.")
     return {
-        "mesh": job.sharding_mesh(shard_size(job, plan)),
+        "mesh": job.sharding_mesh(job.copy_size(plan.shard_size, plan.hybrid)),
         "reshard_after_forward": plan.reshard_after_forward,
         # compute in the scope's dtype; reduce gradients and keep master weights in fp32
         "mp_policy": MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         if dtype is not None else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy(),
     }
-
-
-def shard_size(job: Job, plan: ShardingPlan) -> int | None:
-    """The data-parallel ranks one copy is sharded over (None: all of them). ``hybrid``: those
-    of one machine (its processes, over the ranks of each tensor-parallel group)."""
-    where = job.coordinates
-    return plan.shard_size or (where.local_world_size // where.tp_size if plan.hybrid else None)
 
 
 def compute_dtype() -> torch.dtype | None:

@@ -102,7 +102,8 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     styles = resolve(model, tensor)
     sharded = shards_over_dp(job, sharding)
     # HSDP: the split and the sharding on one 3-D mesh ("replicate", "shard", "tp")
-    mesh = job.tp_mesh_for(_fsdp.shard_size(job, sharding) if sharding is not None else None)
+    mesh = job.tp_mesh_for(
+        job.copy_size(sharding.shard_size, sharding.hybrid) if sharding is not None else None)
     before = dict(module.named_parameters())
     _adopt.move_to_device(job, module)
     _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
