@@ -85,3 +85,14 @@ def test_nothing_listening_is_named(broken_jobs):
     _ended_in_time(result)
     assert "nothing listens at 127.0.0.1:" in result["error"], result
     assert len(result["progress"]) >= 2, result
+
+
+def test_no_rank_leaves_a_group_before_every_rank_formed_it(tmp_path):
+    """A rank that leaves its scope at once (an error before any collective) destroys its side of
+    the group; a rank still connecting then failed with gloo's "Connection closed by peer"
+    (seen under load as a flaky setup failure). Every rank now waits until all formed it."""
+    delay = 1.0
+    first, second = spawn(rendezvous_trust.leave_at_once, 2, tmp_path, delay, timeout=120)
+    assert len(first["began"]) == len(second["formed"]) == 2
+    for began, formed in zip(first["began"], second["formed"], strict=True):
+        assert began >= formed - 0.1, (began, formed)  # before: about `delay` earlier

@@ -137,6 +137,7 @@ def _init_process_group(
             world_size=launch.coordinates.world_size,
             timeout=options.timeout,
         )
+        _rendezvous.await_formed(store, launch, waiter)  # no rank leaves one still connecting
         # Kept for the process's next scopes only once a group formed with it.
         _stores.keep(key, base)
     except (RendezvousError, LaunchEnvironmentError):

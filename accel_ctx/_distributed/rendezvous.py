@@ -258,6 +258,31 @@ def _await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
         ) from None
 
 
+def await_formed(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
+    """After the group formed on this rank, wait until it formed on every rank.
+
+    A rank whose side of gloo's full mesh is connected may go on while a slower rank still
+    finishes its own; were it to leave the scope at once (an error before any collective) and
+    destroy its group, the slower rank's connection would fail with gloo's "Connection closed
+    by peer", blaming nobody. One counter in the store, read while the ranks are together.
+    """
+    world = launch.coordinates.world_size
+    if store.add("rdzv/formed", 1) >= world:
+        store.set("rdzv/formed_all", "1")
+
+    def look() -> None:
+        waiter.tick(f"the group formed on {store.add('rdzv/formed', 0)} of {world}")
+
+    try:
+        KeyWait(store).wait("rdzv/formed_all", max(0.0, waiter.left()), look, waiter.poll_s())
+    except RuntimeError as exc:
+        if store.check(["rdzv/formed_all"]):
+            return
+        raise waiter.fail(
+            f"the process group formed on {store.add('rdzv/formed', 0)} of {world} processes "
+            f"({exc})", "See the other ranks' messages for the cause.") from exc
+
+
 def _report(store: Store, cause: str, waiter: Waiter, fix: str) -> RendezvousError:
     """Publish ``cause`` for the waiting ranks; the error for this one."""
     store.set("rdzv/problem", cause)

@@ -33,3 +33,35 @@ def enter(timeout: float) -> dict[str, Any]:
     finally:
         logger.removeHandler(lines)
     return {"error": error, "progress": lines.lines, "elapsed": time.monotonic() - start}
+
+
+def leave_at_once(delay: float) -> dict[str, list[float]]:
+    """Scopes that end at once on every rank (the script's own error, before any collective)
+    while rank 1 finishes forming its group ``delay`` seconds after torch's init returned: when
+    each rank's group formed, and when each rank's scope body began (wall clock)."""
+    import torch.distributed as dist
+
+    from .._timeouts import scaled
+
+    real = dist.init_process_group
+    formed: list[float] = []
+    began: list[float] = []
+
+    def late(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        if dist.get_rank() == 1:
+            time.sleep(delay)  # still connecting, as a slow rank's gloo full mesh can be
+        formed.append(time.time())
+
+    dist.init_process_group = late
+    try:
+        for _ in range(2):
+            try:
+                with distributed(timeout=scaled(60)):
+                    began.append(time.time())
+                    raise ValueError("the script's own error")
+            except ValueError:
+                pass
+    finally:
+        dist.init_process_group = real
+    return {"formed": formed, "began": began}
