@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
 from torch import nn
@@ -49,10 +49,14 @@ class ForwardCall:
         self.grad = grad  # gradients are recorded
         # the data-parallel engine whose backward synchronises gradients (the user's own DDP
         # is one too), and whether it will: None leaves its flag as it is
+        # DDP's class is an ABC (Joinable): its isinstance is a Python call; the MRO is not
         self.engine: Engine | None = (
-            module if isinstance(module, nn.parallel.DistributedDataParallel) else None)
+            cast(Engine, module) if _DDP in type(module).__mro__ else None)
         self.sync: bool | None = None
         self.device_type: str | None = None  # the job's device type, if a job placed it
+
+
+_DDP = nn.parallel.DistributedDataParallel
 
 
 class LossScaling(Protocol):

@@ -8,9 +8,11 @@ skipping a step without touching the parameters, LR schedulers that wait for rea
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import itertools
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -25,6 +27,10 @@ from .concern import ForwardCall
 from .session import OptimizerRecord, Session
 
 VIEW_MARK = "_accel_ctx_skipped_step_view"
+_get_ident = threading.get_ident
+_grad_enabled = torch.is_grad_enabled
+_in_backward = _state.IN_BACKWARD.get
+_read_stack = _state.read_stack
 
 
 def _not_installed(*args: Any, **kwargs: Any) -> Any:
@@ -52,32 +58,42 @@ def _compiler_graph(module: nn.Module) -> bool:
     """A graph the compiler made, called by compiled code (AOT autograd's graphs under the
     debugging backends): the user's model's parameters are its inputs, not its own. Not a
     model of the user's: torch's own call, as outside any scope."""
-    return isinstance(module, torch.fx.GraphModule) and next(module.parameters(), None) is None
+    return isinstance(module, _GraphModule) and next(module.parameters(), None) is None
+
+
+_GraphModule = torch.fx.GraphModule
+_NO_CONTEXTS: list[AbstractContextManager[Any]] = []
 
 
 def top_level_call(
     stack: _state.Stack, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """A module called outside any adopted forward: the open concerns shape and wrap the call."""
-    if not stack.owned_here() or _compiler_graph(module):
+    # hot path (once per training step): the state module's checks inlined, no call per check
+    if (stack.pid != _state._pid or stack.thread != _get_ident()
+            or (isinstance(module, _GraphModule) and _compiler_graph(module))):
         return stock.module_call(module, *args, **kwargs)
     if not _tracing.registered:  # the user's code may have imported Dynamo since the scope opened
         _tracing.register_if_dynamo_loaded()
     hooks = stack.hooks
-    call = ForwardCall(module, args, kwargs, torch.is_grad_enabled())
+    call = ForwardCall(module, args, kwargs, _grad_enabled())
     for before in hooks.before_forward:  # picks the engine (a broadcast from rank 0 at first)
         before(call, stack.session)
-    if call.engine is not None and call.grad and call.sync is not None:
-        call.engine.require_backward_grad_sync = call.sync
+    engine = call.engine
+    # only a change goes through nn.Module.__setattr__ (a Python function: costly per step)
+    if engine is not None and call.grad and call.sync is not None \
+            and engine.require_backward_grad_sync is not call.sync:
+        engine.require_backward_grad_sync = call.sync
     if hooks.forward_context and call.device_type is None:
         call.device_type = module_device_type(module)
     try:
-        contexts = [c for h in hooks.forward_context if (c := h(call)) is not None]
-        token = _state.enter_forward(stack)
+        contexts = ([c for h in hooks.forward_context if (c := h(call)) is not None]
+                    if hooks.forward_context else _NO_CONTEXTS)
+        token = _state.set_stack(stack.forward)  # inside a forward: submodules run stock
         try:
-            out = run(call, contexts)
+            out = run(call, contexts) if contexts else call.target(*call.args, **call.kwargs)
         finally:
-            _state.reset(token)
+            _state.reset_stack(token)
         for after in hooks.after_forward:
             out = after(call, out)
         return out
@@ -113,26 +129,33 @@ def params_in_play(stack: _state.Stack) -> list[torch.Tensor]:
     return list(params.values())
 
 
-def backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    stack = _state.current()
-    if stack is None or _state.IN_BACKWARD.get():
-        return wrapped(*args, **kwargs)
+def tensor_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``Tensor.backward`` while a scope is open (installed as it, a plain function: a wrapt
+    wrapper makes a bound wrapper and a bound method at every call)."""
+    stack = _read_stack()  # _state.current(), inlined: once per step
+    if stack is not None and (stack.pid != _state._pid or stack.thread != _get_ident()):
+        stack = None
+    if stack is None or _in_backward():
+        return stock.backward(loss, *args, **kwargs)
     session = stack.session
     hooks = stack.hooks
-    loss = instance
     for before in hooks.before_backward:
         loss = before(loss, session)
     # Tensor subclasses dispatch backward through __torch_function__ back to this patch.
     token = _state.IN_BACKWARD.set(True)
     try:
-        contexts = [c for h in hooks.backward_context if (c := h()) is not None]
-        if contexts:
+        contexts = ([c for h in hooks.backward_context if (c := h()) is not None]
+                    if hooks.backward_context else _NO_CONTEXTS)
+        if not contexts:
+            result = stock.backward(loss, *args, **kwargs)
+        elif len(contexts) == 1:
+            with contexts[0]:
+                result = stock.backward(loss, *args, **kwargs)
+        else:
             with contextlib.ExitStack() as exits:
                 for context in contexts:
                     exits.enter_context(context)
                 result = stock.backward(loss, *args, **kwargs)
-        else:
-            result = stock.backward(loss, *args, **kwargs)
     except Exception as exc:
         for failed in hooks.backward_failed:
             failed(exc)
@@ -140,8 +163,10 @@ def backward(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[st
     finally:
         _state.IN_BACKWARD.reset(token)
     session.backward_calls += 1
-    for after in hooks.after_backward:
-        after(session, lambda: params_in_play(stack))
+    if hooks.after_backward:
+        params = functools.partial(params_in_play, stack)
+        for after in hooks.after_backward:
+            after(session, params)
     return result
 
 
@@ -190,6 +215,17 @@ class HookChain:
     from_iterable = staticmethod(itertools.chain.from_iterable)
 
     def __new__(cls, *hook_groups: Iterable[Any]) -> Iterator[Any]:  # type: ignore[misc]
+        if len(hook_groups) == 2:
+            # Every step, twice: torch's global hooks (ours alone, unless others registered
+            # some) and the optimizer's own (usually none). Only ours: iterate its dict view
+            # itself, as torch's own chain would, without a generator per call.
+            first, second = hook_groups
+            if type(first) in _VALUES_VIEWS and type(second) in _VALUES_VIEWS:
+                ours: Any = first if not second else second if not first else None
+                if ours is not None and len(ours) == 1:
+                    only = next(iter(ours))
+                    if only is before_step or only is after_step:
+                        return iter(ours)
         return _hooks_of_a_step(hook_groups)
 
 
@@ -207,8 +243,12 @@ def _unless_held_back(hook: Callable[..., Any], optimizer: torch.optim.Optimizer
     return hook(optimizer, args, kwargs)
 
 
+# torch keeps its hooks in OrderedDicts (the global ones) and dicts (an optimizer's own)
+_VALUES_VIEWS: tuple[type[Any], ...] = (type({}.values()), type(collections.OrderedDict().values()))
+
+
 def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
-    record = stack.session.optimizers.get(optimizer)
+    record = stack.session.optimizer_record(optimizer)
     if record is None:
         record = stack.session.optimizer(optimizer)
         for first in stack.hooks.first_optimizer:  # e.g. follow the adopted models' devices
@@ -219,8 +259,8 @@ def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> O
 def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     if optimizer.__dict__.get(VIEW_MARK):
         return None
-    stack = _state.current()
-    if stack is None:
+    stack = _read_stack()  # _state.current(), inlined: once per step
+    if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return None
     session = stack.session
     hooks = stack.hooks
@@ -230,7 +270,11 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
         return None
     record.depth, record.depth_mark = 1, session.backward_calls
     record.calls += 1
-    skip = not all(allows(record) for allows in hooks.allows_step)
+    skip = False
+    for allows in hooks.allows_step:
+        if not allows(record):
+            skip = True
+            break
     if not skip:
         # one step per backward, however many optimizers take it
         if session.last_counted_group != session.backward_calls:
@@ -253,10 +297,10 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stack = _state.current()
-    if stack is None:
+    stack = _read_stack()  # _state.current(), inlined: once per step
+    if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return
-    record = stack.session.optimizers.get(optimizer)
+    record = stack.session.optimizer_record(optimizer)
     if record is None or record.depth == 0:
         return
     record.depth -= 1
@@ -268,12 +312,13 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 
 
 def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    stack = _state.current()
-    if stack is not None:
+    stack = _read_stack()  # _state.current(), inlined: once per step
+    if stack is not None and stack.pid == _state._pid and stack.thread == _get_ident():
         if isinstance(instance, torch.optim.Optimizer):
             optimizer_record(stack, instance)  # known from now on (clipping under fp16)
-        if not all(allows() for allows in stack.hooks.allows_zero_grad):
-            return None  # mid-group: the accumulated gradients must stay
+        for allows in stack.hooks.allows_zero_grad:
+            if not allows():
+                return None  # mid-group: the accumulated gradients must stay
     return wrapped(*args, **kwargs)
 
 

@@ -22,7 +22,9 @@ override ``__iter__``, classes defined after the first scope opened, and names b
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -150,7 +152,7 @@ def _install() -> None:
         _AttributePatch(nn.Module, "__call__", module_call),
         _AttributePatch(nn.Module, "__getattr__", _module_getattr_for(nn.Module.__dict__["__getattr__"])),
         _AttributePatch(_optim_module, "chain", _gates.HookChain),
-        _wrap(torch.Tensor, "backward", _gates.backward),
+        _AttributePatch(torch.Tensor, "backward", _tensor_backward_for(_gates.stock.backward)),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
         _wrap(DataLoader, "__len__", _gates.loader_len),
         _AttributePatch(DataLoader, INDEX_SAMPLER, index_sampler_property(_data.building_view)),
@@ -212,6 +214,17 @@ def _module_call_for(stock: Any) -> Callable[..., Any]:
     key = ("__call__", stock)
     if key not in _replacements:
         _replacements[key] = _make_module_call(stock)
+    return _replacements[key]
+
+
+def _tensor_backward_for(stock: Any) -> Callable[..., Any]:
+    key = ("backward", stock)
+    if key not in _replacements:
+        # the gate's own code under torch's name, signature and docstring: no extra frame
+        gate = _gates.tensor_backward
+        backward = types.FunctionType(gate.__code__, gate.__globals__, "backward",
+                                      gate.__defaults__, gate.__closure__)
+        _replacements[key] = functools.update_wrapper(backward, stock)
     return _replacements[key]
 
 

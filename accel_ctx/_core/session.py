@@ -69,6 +69,9 @@ class Session:
         self.schedulers: weakref.WeakKeyDictionary[Any, tuple[int, int]] = (
             weakref.WeakKeyDictionary()
         )
+        # the optimizer looked up last and its record: a step looks it up three times (zero_grad,
+        # before and after step), and a WeakKeyDictionary lookup makes a weak reference each time
+        self._last_optimizer: tuple[weakref.ref[Any], OptimizerRecord] | None = None
         self.loaders: list[LoaderIteration] = []
         # DataLoaders in the order of their first iteration in this session, and what runs at
         # each first iteration (a checkpoint's positions for loaders it knows by that order).
@@ -114,6 +117,16 @@ class Session:
         record = self.optimizers.get(optimizer)
         if record is None:
             record = self.optimizers[optimizer] = OptimizerRecord()
+        return record
+
+    def optimizer_record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord | None:
+        """``optimizers.get(optimizer)``, without a weak reference made per call."""
+        last = self._last_optimizer
+        if last is not None and last[0]() is optimizer:
+            return last[1]
+        record = self.optimizers.get(optimizer)
+        if record is not None:
+            self._last_optimizer = (weakref.ref(optimizer), record)
         return record
 
     def active_loader(self) -> LoaderIteration | None:

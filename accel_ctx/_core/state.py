@@ -118,9 +118,6 @@ class Stack:
     # only sets the ContextVar instead of allocating.
     forward: Stack | None = field(default=None, repr=False)
 
-    def owned_here(self) -> bool:
-        return self.pid == _pid and self.thread == _get_ident()
-
     def find(self, kind: type[C]) -> C | None:
         """The runtime of ``kind``'s slot, if one of that kind is open."""
         found = self.slots.get(kind.slot)
@@ -232,13 +229,10 @@ def take_deferred_exit() -> Callable[[], None] | None:
     return found[1]
 
 
-def enter_forward(stack: Stack) -> Token[Stack | None]:
-    assert stack.forward is not None
-    return _STACK.set(stack.forward)
-
-
-def reset(token: Token[Stack | None]) -> None:
-    _STACK.reset(token)
+# A top-level module call enters its stack's ``forward`` twin and resets to the token after; the
+# hot path (once per training step) calls these bound methods directly, no function around them.
+set_stack = _STACK.set
+reset_stack = _STACK.reset
 
 
 # What runs on some ranks only, now (``@on_main_process`` & co., the first rank's turn in
@@ -260,6 +254,10 @@ class RankOnly:
 def rank_only() -> RankOnly | None:
     """The rank-only code running in this context, if any."""
     return _RANK_ONLY.get()
+
+
+read_rank_only = _RANK_ONLY.get
+""":func:`rank_only` without the call around it (a forward and a backward ask, every step)."""
 
 
 def enter_rank_only(mark: RankOnly) -> Token[RankOnly | None]:

@@ -59,7 +59,7 @@ _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 class Progress:
     """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
 
-    __slots__ = ("_entered", "_mirror", "_step", "_where", "armed", "blames", "detail", "phase",
+    __slots__ = ("_entered", "_mirror", "_step", "armed", "blames", "detail", "entered_at", "phase",
                  "seq", "state")
 
     def __init__(self) -> None:
@@ -73,16 +73,19 @@ class Progress:
         self.state = RUNNING
         self.detail = ""
         self.blames: list[int] = []
-        # the user's line that entered the phase, formatted only when read (hot path)
-        self._where: tuple[CodeType, int] | None = None
+        # the user's line that entered the wait of ours the rank is in (None in a phase of the
+        # training step, see ``mark``), formatted only when read
+        self.entered_at: tuple[CodeType, int] | None = None
         self._entered = ""  # the last wait of ours entered (see ``waiting``)
 
     def enter(self, phase: str) -> None:
         """Enter a call of ours that waits for the other ranks (a collective, a sync point);
-        it ends with the next phase (``"after ..."``)."""
+        it ends with the next phase (``"after ..."``). The user's line that made the call is
+        noted: a wait's messages name it."""
         self.seq += 1
-        self.mark(phase)
-        self._entered = self.phase
+        self.phase = phase
+        self.entered_at = _user_code_line(sys._getframe(1))
+        self._entered = phase
 
     @property
     def step(self) -> int:
@@ -106,14 +109,18 @@ class Progress:
         return self.phase is self._entered
 
     def mark(self, phase: str) -> None:
-        """Enter ``phase``, noting the user's line; called on the training thread itself."""
+        """Enter ``phase`` of a training step (forward, backward, optimizer step); called on the
+        training thread itself, a few times per step. The user's line is not looked up here (a
+        walk up the frames costs a few percent of a small compiled step): the heartbeat reads
+        the line the training thread is on when it publishes (``Heartbeat.record``)."""
         self.phase = phase
-        self._where = _user_code_line(sys._getframe(1))
+        self.entered_at = None
 
     @property
     def where(self) -> str:
-        """The user's line that entered the phase: "train.py:42 in main" ("" if none)."""
-        return _format(self._where)
+        """The user's line that entered the wait of ours the rank is in: "train.py:42 in main"
+        ("" in a phase of the training step: see :meth:`mark`)."""
+        return _format(self.entered_at)
 
     def position(self) -> tuple[int, int]:
         return self.step, self.seq

@@ -158,6 +158,9 @@ class DistributedRuntime(Concern):
         self.job = job
         self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
         self.tensor = tensor  # tp=N: tensor parallelism (then FSDP2 over "dp" under sharded())
+        # TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors
+        self._plain_beside_split = tensor is not None and not _tensor_parallel.shards_over_dp(
+            job, plan)
 
     # ---- a top-level module call ---------------------------------------------------------------
     @override
@@ -165,7 +168,7 @@ class DistributedRuntime(Concern):
         job = self.job
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1
-        progress.mark(FORWARD)
+        progress.phase, progress.entered_at = FORWARD, None  # progress.mark(), inlined
         engine: Engine | None
         try:
             if self.tensor is not None:
@@ -176,7 +179,8 @@ class DistributedRuntime(Concern):
             else:
                 call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
                                                     session)
-            if engine is not None and engine is not call.module and call.grad:
+            if (engine is not None and engine is not call.module and call.grad
+                    and not job.adoption.inputs_checked):
                 check_first_inputs(job, call, session)
         except Exception as exc:
             # the engine's setup broadcasts rank 0's weights
@@ -192,9 +196,10 @@ class DistributedRuntime(Concern):
             if engine is not call.module:
                 # ours: DDP's own controls on the model, the accumulation and no_sync scopes veto
                 call.sync = not holds_back(call.module)
-        if engine is None or job.device.type != "cuda":
+        device_type = job.device.type
+        if device_type != "cpu" and (engine is None or device_type != "cuda"):
             call.args, call.kwargs = _adopt.inputs_to_device(job, call.args, call.kwargs)
-        call.device_type = job.device.type
+        call.device_type = device_type
 
     @override
     def forward_failed(self, call: ForwardCall, exc: Exception) -> None:
@@ -210,12 +215,14 @@ class DistributedRuntime(Concern):
     # ---- loss.backward() -------------------------------------------------------------------------
     @override
     def before_backward(self, loss: torch.Tensor, session: Session) -> torch.Tensor:
-        verdict(self.job)  # training goes on: judge a finished evaluation pass
-        progress = self.job.progress
-        if progress.armed and self.job.world_size > 1:
+        job = self.job
+        if job.root.pending_eval is not None:
+            verdict(job)  # training goes on: judge a finished evaluation pass
+        progress = job.progress
+        if progress.armed and _state.read_rank_only() is not None and job.world_size > 1:
             _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")
         progress.seq += 1
-        progress.mark(BACKWARD)
+        progress.phase, progress.entered_at = BACKWARD, None  # progress.mark(), inlined
         return loss
 
     @override
@@ -237,7 +244,7 @@ class DistributedRuntime(Concern):
     def before_step(self, session: Session) -> None:
         progress = self.job.progress
         progress.step, progress.seq = session.step, 0
-        progress.mark(STEP)
+        progress.phase, progress.entered_at = STEP, None  # progress.mark(), inlined
         if self._plain_beside_split:
             _tensor_parallel.replicate_plain_tensors(True)
 
@@ -246,12 +253,6 @@ class DistributedRuntime(Concern):
         self.job.progress.phase = AFTER_STEP
         if self._plain_beside_split:
             _tensor_parallel.replicate_plain_tensors(False)
-
-    @property
-    def _plain_beside_split(self) -> bool:
-        """TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors."""
-        return self.tensor is not None and not _tensor_parallel.shards_over_dp(self.job,
-                                                                                self.plan)
 
     # ---- state() and checkpoints -----------------------------------------------------------------
     @override

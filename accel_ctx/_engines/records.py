@@ -65,8 +65,8 @@ class _ModuleRecords:
 _module_records = _ModuleRecords()
 
 
-def module_record(module: nn.Module) -> ModuleRecord | None:
-    return _module_records.get(module)
+module_record = _module_records.get
+"""The record of ``module``, or None (bound once: a forward asks this every step)."""
 
 
 def set_module_record(module: nn.Module, record: ModuleRecord | None) -> None:

@@ -13,6 +13,7 @@ gradients, for reading results; a model on another device type; a helper thread)
 
 from __future__ import annotations
 
+import operator
 import os
 import warnings
 import weakref
@@ -76,6 +77,9 @@ def report_launcher_conflict(policy: str) -> None:
             f"--mixed-precision {launcher} ({_env.MIXED_PRECISION_VAR}): this scope runs in "
             f"{'fp32' if mine == 'no' else mine}. An explicit policy wins; to follow the "
             "launcher, call mixed_precision() without a policy, or drop --mixed-precision.")
+
+
+_VERSION = operator.attrgetter("_version")  # a tensor's in-place version counter
 
 
 @dataclass(frozen=True)
@@ -176,10 +180,10 @@ class PrecisionRuntime(Concern):
         seen = self._weights.get(module)
         if seen is None:  # listed once per scope: walking a deep model's modules is not free
             params = list(module.parameters())
-            self._weights[module] = [params, sum(p._version for p in params)]
+            self._weights[module] = [params, sum(map(_VERSION, params))]
             torch.clear_autocast_cache()
             return
-        now = sum(p._version for p in seen[0])
+        now = sum(map(_VERSION, seen[0]))  # no Python frame per parameter: every forward
         if now != seen[1]:
             seen[1] = now
             torch.clear_autocast_cache()
