@@ -251,13 +251,9 @@ class RankOnly:
     """"only rank 0 runs it"."""
 
 
-def rank_only() -> RankOnly | None:
-    """The rank-only code running in this context, if any."""
-    return _RANK_ONLY.get()
-
-
-read_rank_only = _RANK_ONLY.get
-""":func:`rank_only` without the call around it (a forward and a backward ask, every step)."""
+rank_only = _RANK_ONLY.get
+"""The rank-only code running in this context, if any (the ContextVar's own read: a forward
+and a backward ask every step)."""
 
 
 def enter_rank_only(mark: RankOnly) -> Token[RankOnly | None]:

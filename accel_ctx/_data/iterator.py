@@ -83,9 +83,7 @@ class ScopedIterator:
             batch, self._pending = self._pending, _EMPTY
         else:
             batch = next(self._it, _EMPTY)
-        indices = self._sharded if self._sharded is not None else self._record.indices
-        if not isinstance(indices, _ShardedIndices):  # self.indices(), inlined: every step
-            indices = None
+        indices = self.indices()
         if batch is _EMPTY:
             if not self._pass.exhausted:
                 self._pass.exhausted = True

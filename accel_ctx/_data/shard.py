@@ -128,37 +128,9 @@ class ShardedIndices:
         return self._fetch()
 
     def __next__(self) -> Any:
-        plan = self.plan
-        if plan.world > 1 and plan.even and not plan.drop and self._padding is None \
-                and self._source is not None and self._peeked is EMPTY:
-            item = self._next_even(plan)  # every step of a sharded epoch: the short way
-        else:
-            item = self._next()
+        item = self._next()
         self.handed_out += 1
         return item
-
-    def _next_even(self, plan: ShardPlan) -> Any:
-        """:meth:`_next` for ``even_batches`` once the source is open (``_pull`` inlined)."""
-        source = self._source
-        assert source is not None
-        while True:
-            item = next(source, EMPTY)
-            if item is EMPTY:
-                if self.first is EMPTY:
-                    self.first = item
-                self.padding_start = self.handed_out
-                self._padding = iter(self._pad())
-                return next(self._padding)
-            if self.first is EMPTY:
-                self.first = item
-            index = self._position
-            self._position += 1
-            if index < plan.world:  # they pad the last round, resumed or not
-                self._first_round.append(item)
-            if index < plan.skip:
-                continue
-            if (index - plan.skip) % plan.world == plan.rank:
-                return item
 
     def _next(self) -> Any:
         plan = self.plan
@@ -172,7 +144,14 @@ class ShardedIndices:
         if self._padding is not None:
             return next(self._padding)
         while True:
-            item = self._pull()
+            source = self._source
+            if source is not None and self._peeked is EMPTY:
+                # ``self._pull()``, inlined: every batch of every rank of a sharded epoch
+                item = next(source, EMPTY)
+                if self.first is EMPTY:
+                    self.first = item
+            else:
+                item = self._pull()
             if item is EMPTY:
                 self.padding_start = self.handed_out
                 self._padding = iter(self._pad())

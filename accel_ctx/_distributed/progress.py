@@ -73,8 +73,11 @@ class Progress:
         self.state = RUNNING
         self.detail = ""
         self.blames: list[int] = []
-        # the user's line that entered the wait of ours the rank is in (None in a phase of the
-        # training step, see ``mark``), formatted only when read
+        # the user's line that entered the wait of ours the rank is in, formatted only when read.
+        # None in a phase of the training step (forward, backward, optimizer step: set a few
+        # times per step, by plain assignments): walking the frames there costs a few percent
+        # of a small compiled step, and the heartbeat reads the training thread's line from its
+        # thread dump when it publishes (``Heartbeat.record``)
         self.entered_at: tuple[CodeType, int] | None = None
         self._entered = ""  # the last wait of ours entered (see ``waiting``)
 
@@ -108,18 +111,10 @@ class Progress:
         """Whether the rank is in a call of ours that waits for the others."""
         return self.phase is self._entered
 
-    def mark(self, phase: str) -> None:
-        """Enter ``phase`` of a training step (forward, backward, optimizer step); called on the
-        training thread itself, a few times per step. The user's line is not looked up here (a
-        walk up the frames costs a few percent of a small compiled step): the heartbeat reads
-        the line the training thread is on when it publishes (``Heartbeat.record``)."""
-        self.phase = phase
-        self.entered_at = None
-
     @property
     def where(self) -> str:
         """The user's line that entered the wait of ours the rank is in: "train.py:42 in main"
-        ("" in a phase of the training step: see :meth:`mark`)."""
+        ("" in a phase of the training step: see ``entered_at``)."""
         return _format(self.entered_at)
 
     def position(self) -> tuple[int, int]:

@@ -168,7 +168,7 @@ class DistributedRuntime(Concern):
         job = self.job
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1
-        progress.phase, progress.entered_at = FORWARD, None  # progress.mark(), inlined
+        progress.phase, progress.entered_at = FORWARD, None  # no line: Progress.entered_at
         engine: Engine | None
         try:
             if self.tensor is not None:
@@ -219,10 +219,10 @@ class DistributedRuntime(Concern):
         if job.root.pending_eval is not None:
             verdict(job)  # training goes on: judge a finished evaluation pass
         progress = job.progress
-        if progress.armed and _state.read_rank_only() is not None and job.world_size > 1:
+        if progress.armed and _state.rank_only() is not None and job.world_size > 1:
             _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")
         progress.seq += 1
-        progress.phase, progress.entered_at = BACKWARD, None  # progress.mark(), inlined
+        progress.phase, progress.entered_at = BACKWARD, None  # no line: Progress.entered_at
         return loss
 
     @override
@@ -244,7 +244,7 @@ class DistributedRuntime(Concern):
     def before_step(self, session: Session) -> None:
         progress = self.job.progress
         progress.step, progress.seq = session.step, 0
-        progress.phase, progress.entered_at = STEP, None  # progress.mark(), inlined
+        progress.phase, progress.entered_at = STEP, None  # no line: Progress.entered_at
         if self._plain_beside_split:
             _tensor_parallel.replicate_plain_tensors(True)
 

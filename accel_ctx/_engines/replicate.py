@@ -55,7 +55,7 @@ def prepare(job: Job, module: nn.Module, grad: bool
     if not grad:
         return module, None
     adoption = job.adoption
-    if _state.read_rank_only() is not None and job.world_size > 1:
+    if _state.rank_only() is not None and job.world_size > 1:
         # Rank-only code: DDP's collectives would wait for ranks that never come. Run the
         # module itself; a backward through it is refused (DistributedRuntime.before_backward).
         job.progress.armed = bool(record.engine) or (
