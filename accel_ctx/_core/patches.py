@@ -44,6 +44,7 @@ from .._steps import clip as _clip
 from ..errors import PatchConflictError
 from . import gates as _gates
 from . import state as _state
+from . import step_gates as _step_gates
 from . import tracing as _tracing
 
 _MISSING: Any = object()
@@ -151,15 +152,15 @@ def _install() -> None:
     patches = [
         _AttributePatch(nn.Module, "__call__", module_call),
         _AttributePatch(nn.Module, "__getattr__", _module_getattr_for(nn.Module.__dict__["__getattr__"])),
-        _AttributePatch(_optim_module, "chain", _gates.HookChain),
+        _AttributePatch(_optim_module, "chain", _step_gates.HookChain),
         _AttributePatch(torch.Tensor, "backward", _tensor_backward_for(_gates.stock.backward)),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
         _wrap(DataLoader, "__len__", _gates.loader_len),
         _AttributePatch(DataLoader, INDEX_SAMPLER, index_sampler_property(_data.building_view)),
-        _wrap(nn.Module, "zero_grad", _gates.zero_grad),
+        _wrap(nn.Module, "zero_grad", _step_gates.zero_grad),
     ]
-    patches += [_wrap(c, "zero_grad", _gates.zero_grad) for c in _classes_defining(torch.optim.Optimizer, "zero_grad")]
-    patches += [_wrap(c, "step", _gates.scheduler_step) for c in _classes_defining(lr_scheduler.LRScheduler, "step")]
+    patches += [_wrap(c, "zero_grad", _step_gates.zero_grad) for c in _classes_defining(torch.optim.Optimizer, "zero_grad")]
+    patches += [_wrap(c, "step", _step_gates.scheduler_step) for c in _classes_defining(lr_scheduler.LRScheduler, "step")]
     for name, gate in _SCALER_GATES.items():  # a user's GradScaler defers to an fp16 scope's
         patches += [_wrap(c, name, gate) for c in _classes_defining(torch.amp.GradScaler, name)]
     # set_epoch calls the loop makes itself (a DistributedSampler it drives): see _epochs
@@ -173,10 +174,10 @@ def _install() -> None:
         for patch in patches:
             patch.install()
             _undo.append(patch.uninstall)
-        pre = _optim_module.register_optimizer_step_pre_hook(_gates.before_step)
+        pre = _optim_module.register_optimizer_step_pre_hook(_step_gates.before_step)
         _undo.append(pre.remove)
         _run_first(_optim_module._global_optimizer_pre_hooks, pre.id)
-        post = _optim_module.register_optimizer_step_post_hook(_gates.after_step)
+        post = _optim_module.register_optimizer_step_post_hook(_step_gates.after_step)
         _undo.append(post.remove)
     except BaseException:
         _uninstall()
@@ -185,7 +186,7 @@ def _install() -> None:
 
 def _run_first(hooks: dict[int, Any], key: int) -> None:
     """Make the hook under ``key`` the first of ``hooks``: a held-back step() then runs no
-    other hook (``_core.gates.HookChain``)."""
+    other hook (``_core.step_gates.HookChain``)."""
     others = [(k, hooks.pop(k)) for k in list(hooks) if k != key]
     hooks.update(others)
 

@@ -31,8 +31,8 @@ registered = False
 """Whether Dynamo knows how to trace ``read_stack`` in this process (read per top-level call)."""
 _module_calls: list[Any] = []
 _RUN_EAGERLY = ("_checkpoint", "_data", "_distributed", "_engines", "_precision", "_ranks", "_steps",
-                "_core.gates", "_core.scope", "_core.session", "_core.state", "_core.status",
-                "_core.tree", "_core.concern")
+                "_core.gates", "_core.step_gates", "_core.scope", "_core.session", "_core.state",
+                "_core.status", "_core.tree", "_core.concern")
 
 
 def _gates_would_run() -> bool:

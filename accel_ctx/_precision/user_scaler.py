@@ -15,8 +15,8 @@ import threading
 import weakref
 from typing import Any
 
-from .._core import gates as _gates
 from .._core import state as _state
+from .._core import step_gates as _step_gates
 from .._core.concern import LossScaling
 from .._warn import warn_user
 from .loss_scale import OWN_SCALER
@@ -73,7 +73,7 @@ def unscale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
     optimizer = _first(args, kwargs, "optimizer")
     stack = _state.current()
     if stack is not None:
-        _gates.optimizer_record(stack, optimizer)  # known from now on: clipping unscales nothing twice
+        _step_gates.optimizer_record(stack, optimizer)  # known from now on: clipping unscales nothing twice
     scaling.unscale(optimizer)  # gradients read next: unscaled
     return None
 
