@@ -24,6 +24,7 @@ from .session import OptimizerRecord, Session
 VIEW_MARK = "_accel_ctx_skipped_step_view"
 _get_ident = threading.get_ident
 _read_stack = _state.read_stack
+_Optimizer = torch.optim.Optimizer
 
 
 def skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -56,10 +57,9 @@ class HookChain:
             # some) and the optimizer's own (usually none). Only ours: iterate its dict view
             # itself, as torch's own chain would, without a generator per call.
             first, second = hook_groups
-            if type(first) in _VALUES_VIEWS and type(second) in _VALUES_VIEWS:
-                ours: Any = first if not second else second if not first else None
-                if ours is not None and len(ours) == 1:
-                    only = next(iter(ours))
+            ours: Any = second if not first else first if not second else None
+            if type(ours) in _VALUES_VIEWS and len(ours) == 1:
+                for only in ours:
                     if only is before_step or only is after_step:
                         return iter(ours)
         return _hooks_of_a_step(hook_groups)
@@ -93,14 +93,18 @@ def optimizer_record(stack: _state.Stack, optimizer: torch.optim.Optimizer) -> O
 
 
 def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-    if optimizer.__dict__.get(VIEW_MARK):
+    if VIEW_MARK in optimizer.__dict__:
         return None
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return None
     session = stack.session
     hooks = stack.hooks
-    record = optimizer_record(stack, optimizer)
+    last = session.last_optimizer  # session.optimizer_record(), inlined
+    if last is not None and last[0]() is optimizer:
+        record = last[1]
+    else:
+        record = optimizer_record(stack, optimizer)
     if record.depth and record.depth_mark == session.backward_calls:
         record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
         return None
@@ -136,7 +140,9 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return
-    record = stack.session.optimizer_record(optimizer)
+    last = stack.session.last_optimizer  # session.optimizer_record(), inlined
+    record = last[1] if last is not None and last[0]() is optimizer else \
+        stack.session.optimizer_record(optimizer)
     if record is None or record.depth == 0:
         return
     record.depth -= 1
@@ -150,7 +156,8 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is not None and stack.pid == _state._pid and stack.thread == _get_ident():
-        if isinstance(instance, torch.optim.Optimizer):
+        last = stack.session.last_optimizer
+        if (last is None or last[0]() is not instance) and isinstance(instance, _Optimizer):
             optimizer_record(stack, instance)  # known from now on (clipping under fp16)
         for allows in stack.hooks.allows_zero_grad:
             if not allows():
