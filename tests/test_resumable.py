@@ -523,3 +523,21 @@ def test_under_slurm_a_signal_saves_and_requeues_the_job(tmp_path, monkeypatch, 
     assert record.read_text().split() == ["requeue", "4242"]
     assert "SLURM job 4242 requeued" in str(exited.value)
     assert (tmp_path / "r" / "ckpt-000001-step3").is_dir()
+
+
+def test_the_boundary_group_waits_only_the_jobs_timeout_for_a_dead_peer(monkeypatch):
+    """The boundary's agreement runs on a gloo group of its own; torch gives a new group 30
+    minutes, so a rank whose peer died waited there long past ``distributed(timeout=...)``
+    (seen once in CI: 390 s after the peer's save failed). The group takes the job's timeout."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from accel_ctx._checkpoint import dcp, restore
+
+    made: list[dict[str, Any]] = []
+    monkeypatch.setattr(dcp, "collective", lambda: True)
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: made.append(kwargs) or "group")
+    assert restore.new_group(2, timedelta(seconds=7)) == "group"
+    assert made == [{"backend": "gloo", "timeout": timedelta(seconds=7)}]
+    assert restore.new_group(1, timedelta(seconds=7)) is None  # one process: no group

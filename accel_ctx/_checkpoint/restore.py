@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -174,9 +175,12 @@ def ordinal(key: str) -> str:
     return f"{n}{suffix}"
 
 
-def new_group(world: int) -> Any:
-    """A gloo group of the job's ranks for the boundary's agreement (None: one process)."""
+def new_group(world: int, timeout: timedelta | None = None) -> Any:
+    """A gloo group of the job's ranks for the boundary's agreement (None: one process).
+
+    ``timeout``: the job's (``distributed(timeout=...)``); without it torch gives a new group 30
+    minutes, and a rank whose peer died waits that long in the boundary's agreement."""
     if world <= 1 or not objs.collective():
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout)
 

@@ -260,7 +260,8 @@ def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
                 f"resumable({root}): cannot write checkpoints there ({exc}). Give a folder "
                 "this job can write to.")
     objs.agree(error, f"open the run folder {root}")
-    group = new_group(world)
+    job = stack.job
+    group = new_group(world, job.options.timeout if job is not None else None)
     runtime.group = group
     runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
     folder = find.choose(root, rank, world, False)
