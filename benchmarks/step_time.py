@@ -28,6 +28,8 @@ Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the 
     python benchmarks/step_time.py --quick    # smoke run, well under a minute
     python benchmarks/step_time.py --check    # count collectives and real steps of each side
     python benchmarks/step_time.py --compile  # both sides call torch.compile(model) (inductor)
+    python benchmarks/step_time.py --interleaved  # one group, the loops side by side (see
+                                                  # run_rows_interleaved): pairs closer in time
 
 With ``--compile`` the hand-written side is ``DDP(torch.compile(model))`` and the accel_ctx side
 calls ``torch.compile(model)`` inside the scopes (which wrap DDP around it: the same structure).
@@ -63,6 +65,7 @@ import torch.nn.functional as F
 from _measure import (
     ACCEL,
     REF,
+    REF2,
     Comparison,
     Sample,
     Timer,
@@ -117,6 +120,7 @@ class Settings:
     rows: tuple[Row, ...]
     profile: str | None  # cProfile rank 0's accel_ctx blocks into this file
     check: bool  # count the work of one block per side instead of timing
+    interleaved: bool = False  # one group, the loops alive side by side (run_rows_interleaved)
 
 
 # What watches the timed part of a block: (row, side, model, optimizer steps) -> context
@@ -161,88 +165,111 @@ def timed_epochs(
     return Sample(wall.item() / steps, cpu.item() / ctx.world / steps)
 
 
-def compiled(row: Row, model: nn.Module) -> nn.Module:
-    """``torch.compile(model)`` (inductor) for a compiled row, from a fresh Dynamo: a block's
-    model is new, and the per-code recompile limit would otherwise run later blocks eagerly."""
+def compiled(row: Row, model: nn.Module, fresh: bool = True) -> nn.Module:
+    """``torch.compile(model)`` (inductor) for a compiled row, by default from a fresh Dynamo:
+    a block's model is new, and the per-code recompile limit would otherwise run later blocks
+    eagerly (``fresh=False``: models that live side by side, compiled once each)."""
     if not row.compiled:
         return model
-    torch._dynamo.reset()
+    if fresh:
+        torch._dynamo.reset()
     return torch.compile(model)  # type: ignore[return-value]
 
 
+def hand_loop(row: Row, data: TensorDataset, fresh: bool = True
+              ) -> tuple[nn.Module, Callable[[int], None]]:
+    """The loop as one writes it with DDP, DistributedSampler, autocast, GradScaler, no_sync
+    (in the process group already formed): the model and one epoch of the loop."""
+    model = make_model(row.model)
+    ddp = DDP(compiled(row, model, fresh))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
+    dtype = DTYPES.get(row.mode)
+    scaler = torch.amp.GradScaler("cpu") if row.mode == "fp16" else None
+
+    def run_epoch(epoch: int) -> None:
+        sampler.set_epoch(epoch)
+        if row.mode == "accum4":
+            for i, (x, y) in enumerate(loader):
+                boundary = (i + 1) % ACCUMULATE == 0
+                with nullcontext() if boundary else ddp.no_sync():
+                    loss = F.cross_entropy(ddp(x), y) / ACCUMULATE
+                    loss.backward()
+                if boundary:
+                    opt.step()
+                    opt.zero_grad()
+        elif dtype is None:
+            for x, y in loader:
+                loss = F.cross_entropy(ddp(x), y)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        else:
+            for x, y in loader:
+                with torch.autocast("cpu", dtype=dtype):  # torch's AMP recipe
+                    loss = F.cross_entropy(ddp(x), y)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    opt.step()
+                opt.zero_grad()
+
+    return model, run_epoch
+
+
 def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
-    """The loop as one writes it with DDP, DistributedSampler, autocast, GradScaler, no_sync."""
+    """``hand_loop`` in a process group of its own."""
     assert_stock()
     store = dist.PrefixStore(f"hand/{next(ctx.generation)}", ctx.store)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
     try:
-        model = make_model(row.model)
-        ddp = DDP(compiled(row, model))
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
-        sampler = DistributedSampler(data, shuffle=True, seed=0)
-        loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
-        dtype = DTYPES.get(row.mode)
-        scaler = torch.amp.GradScaler("cpu") if row.mode == "fp16" else None
-
-        def run_epoch(epoch: int) -> None:
-            sampler.set_epoch(epoch)
-            if row.mode == "accum4":
-                for i, (x, y) in enumerate(loader):
-                    boundary = (i + 1) % ACCUMULATE == 0
-                    with nullcontext() if boundary else ddp.no_sync():
-                        loss = F.cross_entropy(ddp(x), y) / ACCUMULATE
-                        loss.backward()
-                    if boundary:
-                        opt.step()
-                        opt.zero_grad()
-            elif dtype is None:
-                for x, y in loader:
-                    loss = F.cross_entropy(ddp(x), y)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-            else:
-                for x, y in loader:
-                    with torch.autocast("cpu", dtype=dtype):  # torch's AMP recipe
-                        loss = F.cross_entropy(ddp(x), y)
-                    if scaler is not None:
-                        scaler.scale(loss).backward()
-                        scaler.step(opt)
-                        scaler.update()
-                    else:
-                        loss.backward()
-                        opt.step()
-                    opt.zero_grad()
-
+        model, run_epoch = hand_loop(row, data)
         return timed_epochs(ctx, row, REF, model, run_epoch, warmup, epochs)
     finally:
         # Free DDP's reducer while the group is still registered, so that destroying the group
         # (which releases the GIL) and not the reducer (which does not) ends its threads.
-        model = ddp = opt = None  # type: ignore[assignment]
+        model = run_epoch = None  # type: ignore[assignment]
         gc.collect()
         dist.destroy_process_group()
 
 
+def accel_scopes(row: Row) -> ExitStack:
+    """The scopes of a row, entered: ``distributed()`` (+ ``mixed_precision``, ``accumulate``)."""
+    scopes = ExitStack()
+    scopes.enter_context(distributed())
+    if row.mode in DTYPES:
+        scopes.enter_context(mixed_precision(row.mode))
+    if row.mode == "accum4":
+        scopes.enter_context(accumulate(ACCUMULATE))
+    return scopes
+
+
+def accel_loop(row: Row, data: TensorDataset, fresh: bool = True
+               ) -> tuple[nn.Module, Callable[[int], None]]:
+    """The plain loop, unchanged, as it runs inside accel_ctx's scopes."""
+    model = make_model(row.model)
+    net = compiled(row, model, fresh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+
+    def run_epoch(epoch: int) -> None:
+        for x, y in loader:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    return model, run_epoch
+
+
 def with_accel_ctx(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
-    """The plain loop, unchanged, inside accel_ctx's scopes (which form their own group)."""
-    with ExitStack() as scopes:
-        scopes.enter_context(distributed())
-        if row.mode in DTYPES:
-            scopes.enter_context(mixed_precision(row.mode))
-        if row.mode == "accum4":
-            scopes.enter_context(accumulate(ACCUMULATE))
-        model = make_model(row.model)
-        net = compiled(row, model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        loader = DataLoader(data, batch_size=BATCH, shuffle=True)
-
-        def run_epoch(epoch: int) -> None:
-            for x, y in loader:
-                loss = F.cross_entropy(net(x), y)
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-
+    """The plain loop inside accel_ctx's scopes (which form their own group)."""
+    with accel_scopes(row):
+        model, run_epoch = accel_loop(row, data)
         return timed_epochs(ctx, row, ACCEL, model, run_epoch, warmup, epochs)
 
 
@@ -349,6 +376,53 @@ def run_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None
             report("sample", index, block, side(ctx, row, data, settings.warmup_epochs, epochs))
 
 
+def run_rows_interleaved(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
+    """``--interleaved``: one process group, formed by hand as a DDP script forms it, and three
+    loops alive side by side per row: the hand-written one twice (A, and A2 for the noise floor)
+    and the plain loop (B), whose scopes are entered around each of its blocks and adopt that
+    group. A pair's two blocks run a fraction of a second apart, so the machine's drift over
+    seconds (most of the spread of ``run_rows``' pairs, with a new group, model and compile per
+    block) cancels within the pair. Each model is compiled once, in its first block."""
+    store = dist.PrefixStore("interleaved", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
+    try:
+        for index, row in enumerate(settings.rows):
+            model = make_model(row.model)
+            data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+            torch._dynamo.reset()
+            loops = {REF: hand_loop(row, data, fresh=False), REF2: hand_loop(row, data, fresh=False),
+                     ACCEL: accel_loop(row, data, fresh=False)}
+            interleaved_row(ctx, settings, report, index, row, loops)
+            loops.clear()
+            gc.unfreeze()
+            gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def interleaved_row(ctx: Rank, settings: Settings, report: Callable[..., None], index: int,
+                    row: Row, loops: dict[str, tuple[nn.Module, Callable[[int], None]]]) -> None:
+    def block(side: str, epochs: int) -> Sample:
+        model, run_epoch = loops[side]
+        if side != ACCEL:
+            assert_stock()
+            return timed_epochs(ctx, row, side, model, run_epoch, settings.warmup_epochs, epochs)
+        with accel_scopes(row):
+            return timed_epochs(ctx, row, side, model, run_epoch, settings.warmup_epochs, epochs)
+
+    probe = block(REF, 1)  # first blocks compile; the block length from the hand-written one
+    block(ACCEL, 1)
+    block(REF2, 1)
+    epochs = calibrate(probe.wall * row.opt_steps_per_epoch, settings.block_seconds, 1,
+                       settings.max_epochs)
+    gc.collect()
+    gc.freeze()
+    report("epochs", index, epochs, None)
+    for each in plan(settings.pairs):
+        gc.collect()
+        report("sample", index, each, block(each.side, epochs))
+
+
 def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -375,7 +449,7 @@ def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) ->
             profiles = Profiles() if settings.profile and rank == 0 else None
             if profiles is not None:
                 ctx.observe = profiles.observe
-            run_rows(ctx, settings, report)
+            (run_rows_interleaved if settings.interleaved else run_rows)(ctx, settings, report)
             if profiles is not None and settings.profile is not None:
                 profiles.finish(settings.profile, settings.rows, report)
         results.put(("done", rank, None, None))
@@ -386,13 +460,15 @@ def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) ->
 # ------------------------------------------------------------------------------------------------
 # the parent
 # ------------------------------------------------------------------------------------------------
-def run(settings: Settings, world: int, timeout: float) -> Iterator[tuple[str, int, Any, Any]]:
-    """Start the ranks and yield what rank 0 reports until every rank is done."""
+def run(settings: Settings, world: int, timeout: float, target: Callable[..., None] | None = None
+        ) -> Iterator[tuple[str, int, Any, Any]]:
+    """Start the ranks (``target``, by default ``worker``) and yield what rank 0 reports until
+    every rank is done."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="accel-ctx-bench-") as tmp:
         procs = [
-            ctx.Process(target=worker, args=(r, world, tmp, settings, results))
+            ctx.Process(target=target or worker, args=(r, world, tmp, settings, results))
             for r in range(world)
         ]
         for p in procs:
@@ -465,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="both sides call torch.compile(model) (inductor; compiled in warm-up)")
     parser.add_argument("--check", action="store_true",
                         help="count collectives and real optimizer steps per side; no timing")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="one process group and all loops alive side by side, alternating "
+                        "blocks a fraction of a second apart (see run_rows_interleaved)")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
@@ -483,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         profile=args.profile,
         check=args.check,
+        interleaved=args.interleaved,
     )
     torch.set_num_threads(1)
     if settings.check:
