@@ -86,6 +86,27 @@ def test_only_communication_failures_are_reinterpreted():
     assert not _blame.looks_distributed(DistributedError("rank 1 timed out"))
 
 
+def test_the_error_file_is_whole_or_absent_never_cut_short(tmp_path, monkeypatch):
+    """torchrun's agent reads a dead worker's error file and fails on a cut-short one (seen in
+    CI: "Failed to parse reply file" ended a job that --max-restarts should have restarted)."""
+    path = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+
+    def killed_while_writing(data, f):  # type: ignore[no-untyped-def]
+        f.write('{"message": {"mess')
+        f.flush()
+        raise OSError("the worker is killed here")
+
+    monkeypatch.setattr(json, "dump", killed_while_writing)
+    _blame.write_error_file(DistributedError("rank 0: rank 1 left"), 1, RuntimeError("gone"))
+    assert not path.exists() and list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(path))
+    _blame.write_error_file(DistributedError("rank 0: rank 1 left"), 1, RuntimeError("gone"))
+    assert json.loads(path.read_text())["message"]["extraInfo"][_blame.CULPRIT_KEY] == 1
+    assert list(tmp_path.iterdir()) == [path]
+
+
 def test_accel_ctx_launch_names_the_culprit_from_the_error_file(tmp_path, monkeypatch):
     files = {r: tmp_path / f"error{r}.json" for r in (0, 1)}
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[0]))

@@ -248,8 +248,17 @@ def write_error_file(error: BaseException, culprit: int, cause: BaseException) -
     data = {"message": {"message": f"{type(error).__name__}: {error}", "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(cause)),
         "timestamp": str(int(time.time())), CULPRIT_KEY: culprit}}}
-    with contextlib.suppress(OSError), open(path, "w") as f:
-        json.dump(data, f)
+    # Whole or not at all: torchrun's agent reads the file once the worker is gone, and a file
+    # cut short (the worker killed while writing: the agent's SIGTERM after a peer died) makes
+    # the agent itself fail on the JSON instead of restarting the job.
+    partial = f"{path}.{os.getpid()}.partial"
+    try:
+        with open(partial, "w") as f:
+            json.dump(data, f)
+        os.replace(partial, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(partial)
 
 
 def culprit_of(error_file_data: Any) -> tuple[int, str] | None:
