@@ -71,8 +71,7 @@ class Session:
         )
         # the optimizer looked up last and its record: a step looks it up three times (zero_grad,
         # before and after step), and a WeakKeyDictionary lookup makes a weak reference each time
-        # (the step gates read it inline: a method call each is a share of a small step)
-        self.last_optimizer: tuple[weakref.ref[Any], OptimizerRecord] | None = None
+        self._last_optimizer: tuple[weakref.ref[Any], OptimizerRecord] | None = None
         self.loaders: list[LoaderIteration] = []
         # DataLoaders in the order of their first iteration in this session, and what runs at
         # each first iteration (a checkpoint's positions for loaders it knows by that order).
@@ -122,12 +121,12 @@ class Session:
 
     def optimizer_record(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord | None:
         """``optimizers.get(optimizer)``, without a weak reference made per call."""
-        last = self.last_optimizer
+        last = self._last_optimizer
         if last is not None and last[0]() is optimizer:
             return last[1]
         record = self.optimizers.get(optimizer)
         if record is not None:
-            self.last_optimizer = (weakref.ref(optimizer), record)
+            self._last_optimizer = (weakref.ref(optimizer), record)
         return record
 
     def active_loader(self) -> LoaderIteration | None:

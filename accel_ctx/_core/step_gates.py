@@ -100,10 +100,8 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
         return None
     session = stack.session
     hooks = stack.hooks
-    last = session.last_optimizer  # session.optimizer_record(), inlined
-    if last is not None and last[0]() is optimizer:
-        record = last[1]
-    else:
+    record = session.optimizer_record(optimizer)
+    if record is None:  # met for the first time
         record = optimizer_record(stack, optimizer)
     if record.depth and record.depth_mark == session.backward_calls:
         record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
@@ -140,9 +138,7 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return
-    last = stack.session.last_optimizer  # session.optimizer_record(), inlined
-    record = last[1] if last is not None and last[0]() is optimizer else \
-        stack.session.optimizer_record(optimizer)
+    record = stack.session.optimizer_record(optimizer)
     if record is None or record.depth == 0:
         return
     record.depth -= 1
@@ -156,8 +152,7 @@ def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
 def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is not None and stack.pid == _state._pid and stack.thread == _get_ident():
-        last = stack.session.last_optimizer
-        if (last is None or last[0]() is not instance) and isinstance(instance, _Optimizer):
+        if isinstance(instance, _Optimizer) and stack.session.optimizer_record(instance) is None:
             optimizer_record(stack, instance)  # known from now on (clipping under fp16)
         for allows in stack.hooks.allows_zero_grad:
             if not allows():
