@@ -18,8 +18,9 @@ accum4     ... + ``ddp.no_sync()`` on 3 of 4 micro-    ... + ``accumulate(4)``
 Both sides train on the same in-memory data with the same per-rank batch size and number of
 steps, with subnormal floats flushed to zero in every rank (the two sides' batch orders differ,
 so their weights do, and arithmetic on subnormals is many times slower on x86: without the flush
-a deep200 row swung by -9 % to +21 % on that alone). The hand-written side is torch's AMP recipe (forward and loss under autocast, backward
-and step outside), which is the rule ``mixed_precision`` follows, so both do the same work.
+a deep200 row swung by -9 % to +21 % on that alone). The hand-written side is torch's AMP
+recipe (forward and loss under autocast, backward and step outside), which is the rule
+``mixed_precision`` follows, so both do the same work.
 accel_ctx broadcasts rank 0's sampling RNG at the start of every epoch (DistributedSampler
 needs no collective): that cost is in its figures, spread over the epoch's batches.
 Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the process CPU time.
@@ -339,10 +340,14 @@ def counting(model: nn.Module, counts: Counter[str]) -> Iterator[None]:
             counts[event.key] += event.count
 
 
+def row_data(ctx: Rank, row: Row) -> TensorDataset:
+    """The in-memory data of a row: every rank's batches of one epoch, shaped for its model."""
+    return make_data(features_of(make_model(row.model)), ctx.world * BATCH * row.batches_per_epoch)
+
+
 def check_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
     for index, row in enumerate(settings.rows):
-        model = make_model(row.model)
-        data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+        data = row_data(ctx, row)
         for side in (REF, ACCEL):
             counts: Counter[str] = Counter()
             ctx.observe = lambda r, s, m, n, counts=counts: counting(m, counts)  # type: ignore[misc]
@@ -355,8 +360,7 @@ def check_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> No
 # ------------------------------------------------------------------------------------------------
 def run_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
     for index, row in enumerate(settings.rows):
-        model = make_model(row.model)
-        data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+        data = row_data(ctx, row)
         # A warm-up pair, discarded: first-call costs of both sides, and the block length.
         epochs = 1
         if settings.calibrate or index == 0:
@@ -387,8 +391,7 @@ def run_rows_interleaved(ctx: Rank, settings: Settings, report: Callable[..., No
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
     try:
         for index, row in enumerate(settings.rows):
-            model = make_model(row.model)
-            data = make_data(features_of(model), ctx.world * BATCH * row.batches_per_epoch)
+            data = row_data(ctx, row)
             torch._dynamo.reset()
             loops = {REF: hand_loop(row, data, fresh=False), REF2: hand_loop(row, data, fresh=False),
                      ACCEL: accel_loop(row, data, fresh=False)}
@@ -460,15 +463,13 @@ def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) ->
 # ------------------------------------------------------------------------------------------------
 # the parent
 # ------------------------------------------------------------------------------------------------
-def run(settings: Settings, world: int, timeout: float, target: Callable[..., None] | None = None
-        ) -> Iterator[tuple[str, int, Any, Any]]:
-    """Start the ranks (``target``, by default ``worker``) and yield what rank 0 reports until
-    every rank is done."""
+def run(settings: Settings, world: int, timeout: float) -> Iterator[tuple[str, int, Any, Any]]:
+    """Start the ranks and yield what rank 0 reports until every rank is done."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="accel-ctx-bench-") as tmp:
         procs = [
-            ctx.Process(target=target or worker, args=(r, world, tmp, settings, results))
+            ctx.Process(target=worker, args=(r, world, tmp, settings, results))
             for r in range(world)
         ]
         for p in procs:
