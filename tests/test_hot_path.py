@@ -31,10 +31,11 @@ from accel_ctx import accumulate, distributed, mixed_precision
 
 BATCH, STEPS = 8, 16
 # accel_ctx's Python calls per step (per micro-batch for accumulate) over the hand-written
-# loop's: 52 for fp32, 76 for bf16, 80 for accumulate(2) after the hot path was trimmed
-# (96, 129 and 123 before it; 17 of them are the resumptions of RandomSampler's generator for
-# the other rank's batch, which each rank walks past), with a little room for torch's changes.
-LIMIT = {"fp32": 55, "bf16": 80, "accumulate": 85}
+# loop's: 35 for fp32, 59 for bf16, 63 for accumulate(2) since a shuffled epoch's batches are
+# cut from its order (_data.batches) instead of resuming RandomSampler's generator once per
+# index of every rank's batch (52, 76 and 80 before; 96, 129 and 123 before the hot path was
+# first trimmed), with a little room for torch's changes.
+LIMIT = {"fp32": 38, "bf16": 62, "accumulate": 66}
 
 
 def _as_is(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations

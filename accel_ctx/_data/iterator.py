@@ -44,6 +44,11 @@ class ScopedIterator:
         # iterable datasets cannot be indexed: shard the fetched batches with the same rules
         self._sharded = _ShardedIndices(it, shard) if shard is not None else None
         self._it: Iterator[Any] = self._sharded if self._sharded is not None else it
+        # this epoch's sharding: iterable datasets here, map-style in the index view, which
+        # building the stock iterator just iterated (a later iter() of the loader replaces
+        # the record's, not this iterator's)
+        indices = self._sharded if self._sharded is not None else record.indices
+        self._indices = indices if isinstance(indices, _ShardedIndices) else None
         self._session = stack.session
         self._before_batch = stack.hooks.before_batch
         self._record = record
@@ -71,8 +76,7 @@ class ScopedIterator:
 
     def indices(self) -> _ShardedIndices | None:
         """This epoch's sharding (iterable datasets: here; map-style: the index view's)."""
-        indices = self._sharded if self._sharded is not None else self._record.indices
-        return indices if isinstance(indices, _ShardedIndices) else None
+        return self._indices
 
     def __next__(self) -> Any:
         if self._exhausted:
@@ -83,7 +87,7 @@ class ScopedIterator:
             batch, self._pending = self._pending, _EMPTY
         else:
             batch = next(self._it, _EMPTY)
-        indices = self.indices()
+        indices = self._indices
         if batch is _EMPTY:
             if not self._pass.exhausted:
                 self._pass.exhausted = True

@@ -20,9 +20,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 from ..errors import ConfigurationError
+from .batches import batches
 
 EMPTY: Any = object()
 
@@ -103,7 +105,7 @@ class ShardedIndices:
         Returns the epoch's first batch from the source (``EMPTY`` for an empty epoch).
         """
         if self._source is None:
-            self._source = iter(self.original)
+            self._source = batches(self.original)
             self._peeked = self._fetch()
         return self.first
 
@@ -121,7 +123,7 @@ class ShardedIndices:
         if self._source is None:
             # Lazily, like the stock batch sampler: the stock iterator draws its worker seed
             # between iter() and the first next(), and the sampler's permutation comes after.
-            self._source = iter(self.original)
+            self._source = batches(self.original)
         if self._peeked is not EMPTY:
             item, self._peeked = self._peeked, EMPTY
             return item
@@ -143,6 +145,19 @@ class ShardedIndices:
             return self._next_of_round()
         if self._padding is not None:
             return next(self._padding)
+        source = self._source
+        position = self._position
+        if (source is not None and self._peeked is EMPTY and position >= plan.world
+                and position >= plan.skip and (position - plan.skip) % plan.world
+                == (plan.rank + 1) % plan.world):
+            # Past the first round, this rank's batch is the last of the next W: the others'
+            # between are passed over at C speed. A round cut short by the end goes on below.
+            round_ = [*islice(source, plan.world)]
+            if len(round_) == plan.world:
+                self._position = position + plan.world
+                return round_[-1]
+            self._position = position + len(round_)  # the others' batches of the last round
+            return self._start_padding()
         while True:
             source = self._source
             if source is not None and self._peeked is EMPTY:
@@ -153,9 +168,7 @@ class ShardedIndices:
             else:
                 item = self._pull()
             if item is EMPTY:
-                self.padding_start = self.handed_out
-                self._padding = iter(self._pad())
-                return next(self._padding)
+                return self._start_padding()
             index = self._position
             self._position += 1
             if index < plan.world:  # they pad the last round, resumed or not
@@ -165,6 +178,12 @@ class ShardedIndices:
             local = index - plan.skip
             if local % plan.world == plan.rank:
                 return item
+
+    def _start_padding(self) -> Any:
+        """The source ended: hand out this rank's padding, if its last round lacks a batch."""
+        self.padding_start = self.handed_out
+        self._padding = iter(self._pad())
+        return next(self._padding)
 
     def _next_of_round(self) -> Any:
         """Read one whole round, then hand out this rank's batch of it."""
