@@ -289,6 +289,23 @@ def test_a_scope_opened_inside_a_forward_stays_inside_it():
     assert calls == [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.parametrize("scopes", ["distributed", "distributed+bf16"])
+def test_a_modules_own_call_runs_once_per_call_of_it(scopes: str) -> None:
+    # torch.compile's wrapper is such a class: its __call__ ran twice per step inside the scopes
+    class Counting(nn.Linear):
+        calls = 0
+
+        def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+            type(self).calls += 1
+            return super().__call__(*args)  # type: ignore[no-any-return]
+
+    model = Counting(4, 2)
+    with distributed(), mixed_precision("bf16" if "bf16" in scopes else "no"):
+        out = model(torch.randn(3, 4))
+    assert Counting.calls == 1
+    assert out.dtype == (torch.bfloat16 if "bf16" in scopes else torch.float32)
+
+
 def test_an_inner_side_loader_does_not_end_accumulation_groups():
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -87,7 +87,8 @@ def top_level_call(
                     if hooks.forward_context else _NO_CONTEXTS)
         token = _state.set_stack(stack.forward)  # inside a forward: submodules run stock
         try:
-            out = run(call, contexts) if contexts else call.target(*call.args, **call.kwargs)
+            out = run(call, contexts) if contexts else stock.module_call(
+                call.target, *call.args, **call.kwargs)
         finally:
             _state.reset_stack(token)
         for after in hooks.after_forward:
@@ -103,15 +104,19 @@ def top_level_call(
 
 
 def run(call: ForwardCall, contexts: list[AbstractContextManager[Any]]) -> Any:
+    """Call the target in ``contexts``, through torch's own ``nn.Module.__call__``: the user's
+    call of the module already ran its class's own ``__call__`` (``torch.compile``'s wrapper, a
+    subclass's), which must not run twice; an engine (DDP) defines none."""
+    target, args, kwargs = call.target, call.args, call.kwargs
     if not contexts:
-        return call.target(*call.args, **call.kwargs)
+        return stock.module_call(target, *args, **kwargs)
     if len(contexts) == 1:
         with contexts[0]:
-            return call.target(*call.args, **call.kwargs)
+            return stock.module_call(target, *args, **kwargs)
     with contextlib.ExitStack() as exits:
         for context in contexts:
             exits.enter_context(context)
-        return call.target(*call.args, **call.kwargs)
+        return stock.module_call(target, *args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
