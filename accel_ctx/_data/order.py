@@ -143,9 +143,17 @@ def own_global_stream(borrowed: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         after = torch.get_rng_state()
-        words = words_drawn(borrowed, after)
-        # a stream that cannot be followed (reseeded inside): leave this rank's untouched
-        torch.set_rng_state(advanced(own, words) if words is not None else own)
+        # Ranks seeded alike (the common case): the block drew from this rank's own state, and
+        # left it where the same code would have, however it drew (a reseed included).
+        if not torch.equal(own, borrowed):
+            _own_moved_on(own, borrowed, after)
+
+
+def _own_moved_on(own: torch.Tensor, borrowed: torch.Tensor, after: torch.Tensor) -> None:
+    """This rank's ``own`` state moved on by the words drawn from ``borrowed`` to ``after``."""
+    words = words_drawn(borrowed, after)
+    # a stream that cannot be followed (reseeded inside): leave this rank's untouched
+    torch.set_rng_state(advanced(own, words) if words is not None else own)
 
 
 def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
