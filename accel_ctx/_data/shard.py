@@ -151,7 +151,7 @@ class ShardedIndices:
                 and position >= plan.skip and (position - plan.skip) % plan.world
                 == (plan.rank + 1) % plan.world):
             # Past the first round, this rank's batch is the last of the next W: the others'
-            # between are passed over at C speed. A round cut short by the end goes on below.
+            # between are passed over at C speed. A round cut short by the end: the padding.
             round_ = [*islice(source, plan.world)]
             if len(round_) == plan.world:
                 self._position = position + plan.world
