@@ -126,6 +126,23 @@ def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:
         )
 
 
+class _AutocastPaused:
+    """Autocast switched off for a ``loss.backward()`` and back on after it: what
+    ``torch.autocast(device_type, enabled=False)`` does there (same dtype and cache setting,
+    the cache already cleared), without building one per step (its Python costs a few µs)."""
+
+    __slots__ = ("device_type",)
+
+    def __init__(self, device_type: str) -> None:
+        self.device_type = device_type
+
+    def __enter__(self) -> None:
+        torch.set_autocast_enabled(self.device_type, False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.set_autocast_enabled(self.device_type, True)  # on before (backward_context)
+
+
 class PrecisionRuntime(Concern):
     """The live side of one ``mixed_precision()`` entry: autocast, fp16 loss scaling, counters."""
 
@@ -138,6 +155,7 @@ class PrecisionRuntime(Concern):
         self.scaling = (LossScaler(policy.init_scale, policy.growth_interval)
                         if self.dtype == torch.float16 else None)
         self._step_paused: str | None = None  # the autocast switched off for a step()
+        self._backward_paused: dict[str, _AutocastPaused] = {}
         # per top-level module: its parameters and the sum of their versions at its last forward
         self._weights: weakref.WeakKeyDictionary[nn.Module, list[Any]] = (
             weakref.WeakKeyDictionary())
@@ -164,10 +182,18 @@ class PrecisionRuntime(Concern):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @override
-    def forward_context(self, call: ForwardCall) -> AbstractContextManager[Any]:
+    def forward_context(self, call: ForwardCall) -> AbstractContextManager[Any] | None:
+        device_type = call.device_type or "cpu"
         if self.dtype is not None:
             self._drop_stale_casts(call.module)
-        return self.autocast(call.device_type or "cpu")
+            if torch.is_autocast_enabled(device_type) \
+                    and torch.get_autocast_dtype(device_type) == self.dtype:
+                # the policy's autocast is on (the scope's own, for its code): entering it again
+                # changes nothing but a nesting count, and costs a torch.autocast every step
+                return None
+        elif not torch.is_autocast_enabled(device_type):
+            return None  # "no", and autocast is off already
+        return self.autocast(device_type)
 
     def _drop_stale_casts(self, module: nn.Module) -> None:
         """Autocast caches each weight's low-precision copy until its outermost region ends,
@@ -208,7 +234,10 @@ class PrecisionRuntime(Concern):
         if self.dtype is None or not torch.is_autocast_enabled(device_type):
             return None
         torch.clear_autocast_cache()  # the recipe's autocast ended before its backward
-        return torch.autocast(device_type, enabled=False)  # backward runs outside autocast
+        paused = self._backward_paused.get(device_type)
+        if paused is None:
+            paused = self._backward_paused[device_type] = _AutocastPaused(device_type)
+        return paused  # backward runs outside autocast
 
     @override
     def before_step(self, session: Session) -> None:
