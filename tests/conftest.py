@@ -88,33 +88,42 @@ def cpu_unless_gpu_test(request, no_state_left_behind, monkeypatch):
         monkeypatch.setenv("ACCEL_CTX_DEVICE", "cpu")
 
 
-# The test files that take longest (launcher runs, spawned ranks, timeouts waited out), longest
-# first. `./dev test` runs the files on two pytest-xdist workers (--dist loadfile), each file on
-# one worker, handed out in collection order (pytest_configure below): these go first, so that
-# what is left for the end, when a worker that is done has nothing more to take, is short.
-# xdist's own order (most tests first) left them for the end. A file over ~8 s belongs here.
+# The test files that take longest (launcher runs, spawned ranks, timeouts waited out), in the
+# order the workers take them. `./dev test` runs the files on two pytest-xdist workers (--dist
+# loadfile), each file on one worker, handed out in collection order (pytest_configure below):
+# these go first, so that what is left for the end, when a worker that is done has nothing more
+# to take, is short. xdist's own order (most tests first) left them for the end. A file over
+# ~8 s belongs here. The suite keeps both cores busy, except where both workers wait out
+# timeouts at once: the files that mostly wait ("wait") are placed to run beside one that
+# computes, the first ones beside test_resumable.py, the next ones beside
+# test_tensor_parallel.py (seconds: in a full run on a 2-core machine).
 LONGEST_FIRST = (
-    "test_resumable.py",  # ~110 s on a quiet 2-core machine
-    "test_blame_trust.py",
-    "test_fidelity_waits.py",
+    "test_resumable.py",  # ~165 s (~100 s alone)
+    "test_blame_trust.py",  # wait
+    "test_fidelity_waits.py",  # wait
     "test_resumable_elastic.py",
     "test_cli_launch.py",
+    "test_tensor_parallel.py",  # ~90 s
+    "test_checkpoint_trust.py",  # wait
+    "test_process_failures.py",  # wait
+    "test_rendezvous_trust.py",  # wait
+    "test_two_hosts_trust.py",  # wait, in part
     "test_examples.py",
-    "test_checkpoint_trust.py",
-    "test_checkpoint_mp.py",
+    "test_compile.py",
     "test_sharded_checkpoint.py",
-    "test_tensor_parallel.py",
+    "test_checkpoint_mp.py",
+    "test_fp8.py",
     "test_parity.py",
-    "test_checkpoint_kill.py",
-    "test_sharded.py",
-    "test_fidelity.py",
-    "test_two_hosts_trust.py",
-    "test_process_failures.py",
     "test_launch_trust.py",
-    "test_rendezvous_trust.py",
-    "test_foundation_mp.py",
+    "test_sharded.py",
+    "test_checkpoint_kill.py",
+    "test_fidelity_scripts.py",
+    "test_fidelity.py",
     "test_sharded_trust.py",
-    "test_fidelity_scripts.py",  # ~8 s
+    "test_demo.py",
+    "test_launch_fn.py",
+    "test_docs.py",  # ~8 s
+    "test_foundation_mp.py",
 )
 _TESTS = Path(__file__).resolve().parent
 
