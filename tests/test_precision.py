@@ -373,3 +373,23 @@ def test_launcher_default_policy(monkeypatch):
     monkeypatch.setenv("ACCEL_CTX_MIXED_PRECISION", "fp4")
     with pytest.raises(ConfigurationError, match="fp4"), mixed_precision():
         pass
+
+
+@pytest.mark.parametrize(("policy", "absent", "present"), [
+    ("bf16", {"before_backward", "skips_step"}, {"backward_context", "before_step", "after_step"}),
+    ("fp16", set(), {"before_backward", "skips_step", "backward_context", "after_step"}),
+    ("no", {"before_backward", "skips_step", "backward_context", "before_step", "after_step"},
+     {"forward_context"}),
+])
+def test_a_policy_runs_no_hook_of_its_own_that_would_do_nothing_each_step(policy, absent, present):
+    # each hook runs every step; fp16 alone scales the loss, "no" switches no autocast
+    from accel_ctx._core import state as _state
+    from accel_ctx._precision.runtime import PrecisionRuntime
+
+    with mixed_precision(policy):
+        stack = _state.current()
+        runtime = stack.find(PrecisionRuntime)
+        ours = {hook for hook in runtime.HOOKS
+                if any(getattr(h, "__self__", None) is runtime for h in getattr(stack.hooks, hook))}
+    assert not ours & absent, ours & absent
+    assert present <= ours, present - ours

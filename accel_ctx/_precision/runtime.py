@@ -126,6 +126,11 @@ def _check_supported(device_type: str, policy: PrecisionPolicy) -> None:
         )
 
 
+# PrecisionRuntime's hooks that only scale fp16 losses, and those that only switch autocast
+_SCALING_HOOKS = frozenset({"before_backward", "skips_step", "grads_for_clipping"})
+_AUTOCAST_HOOKS = frozenset({"backward_context", "before_step", "after_step"})
+
+
 class _AutocastPaused:
     """Autocast switched off for a ``loss.backward()`` and back on after it: what
     ``torch.autocast(device_type, enabled=False)`` does there (same dtype and cache setting,
@@ -162,6 +167,17 @@ class PrecisionRuntime(Concern):
         self._checked: set[str] = set()
         if device_type is not None:
             self._check(device_type)
+
+    @override
+    def overrides(self, hook: str) -> bool:
+        """Leave out the hooks of ours that do nothing under this policy: a hook called
+        every step costs its Python even when it only returns."""
+        if getattr(type(self), hook) is getattr(PrecisionRuntime, hook, None):
+            if hook in _SCALING_HOOKS and self.scaling is None:
+                return False
+            if hook in _AUTOCAST_HOOKS and self.dtype is None and self.scaling is None:
+                return False
+        return super().overrides(hook)
 
     def _check(self, device_type: str) -> None:
         if device_type not in self._checked:
