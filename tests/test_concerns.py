@@ -136,3 +136,53 @@ def test_no_concern_defines_a_method_spelt_almost_like_a_hook():
                 continue
             near = difflib.get_close_matches(name, hooks, n=1, cutoff=0.85)
             assert not near, f"{cls.__qualname__}.{name} looks like the hook {near[0]}"
+
+
+def test_a_runtime_that_alone_shapes_forwards_runs_its_whole_part_at_once():
+    from accel_ctx._core.concern import NOT_FAST, Hooks
+
+    class Shaping(Concern):
+        slot, order = "shaping", 5
+
+        def __init__(self, answer):
+            self.answer, self.calls = answer, 0
+
+        def before_forward(self, call, session):
+            self.calls += 1
+
+        def fast_forward(self):
+            return lambda stack, module, args, kwargs: self.answer
+
+    class Counting(Concern):  # no forward hook: does not stand in the way
+        slot, order = "counting", 40
+
+        def after_backward(self, session, params):
+            pass
+
+    class AlsoShaping(Concern):
+        slot, order = "also", 50
+
+        def forward_done(self, call):
+            pass
+
+    alone = Hooks((Shaping("fast"), Counting()))
+    assert alone.fast_forward is not None and alone.fast_forward(None, None, (), {}) == "fast"
+    assert Hooks((Shaping("fast"), AlsoShaping())).fast_forward is None  # two shape it
+    assert Hooks((AlsoShaping(),)).fast_forward is None  # offers none
+
+    # a call the fast part hands back takes the general path: the hooks run, once
+    class _open_it(Scope):
+        def __init__(self, runtime):
+            super().__init__()
+            self.runtime = runtime
+
+        def _open(self, exits):
+            return self.runtime
+
+    shaping = Shaping(NOT_FAST)
+    with _open_it(shaping):
+        out = torch.nn.Linear(2, 2)(torch.ones(1, 2))
+    assert shaping.calls == 1 and out.shape == (1, 2)
+    taken = Shaping("fast")
+    with _open_it(taken):
+        assert torch.nn.Linear(2, 2)(torch.ones(1, 2)) == "fast" and taken.calls == 0

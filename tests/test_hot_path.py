@@ -35,7 +35,7 @@ BATCH, STEPS = 8, 16
 # cut from its order (_data.batches) instead of resuming RandomSampler's generator once per
 # index of every rank's batch (52, 76 and 80 before; 96, 129 and 123 before the hot path was
 # first trimmed), with a little room for torch's changes.
-LIMIT = {"fp32": 38, "bf16": 45, "accumulate": 66}
+LIMIT = {"fp32": 35, "bf16": 45, "accumulate": 66}
 
 
 def _as_is(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads real annotations

@@ -28,6 +28,16 @@ if TYPE_CHECKING:
     from .session import OptimizerRecord, Session
 
 
+NOT_FAST: Any = object()
+"""What a fast forward returns for a call it leaves to the general path (``Concern.fast_forward``)."""
+
+FastForward = Callable[[Any, nn.Module, tuple[Any, ...], dict[str, Any]], Any]
+"""A whole top-level call ``(stack, module, args, kwargs) -> output`` (or ``NOT_FAST``)."""
+
+_FORWARD_HOOKS = ("before_forward", "forward_context", "after_forward", "forward_failed",
+                  "forward_done")
+
+
 class Engine(Protocol):
     """A data-parallel engine as the concerns see it: DDP, or the FSDP2 engine of sharded()."""
 
@@ -113,6 +123,14 @@ class Concern:
         return getattr(type(self), hook) is not getattr(Concern, hook)
 
     # ---- a top-level module call ---------------------------------------------------------------
+    def fast_forward(self) -> FastForward | None:
+        """The whole of this runtime's part in a top-level call, as one function, for stacks
+        where it is the only runtime with forward hooks: the same effects as its hooks, in
+        their order, without a ``ForwardCall`` and the hook loops (once per step, every step).
+        It returns ``NOT_FAST``, having changed nothing, for a call the general path must take.
+        None: no such function (the default)."""
+        return None
+
     def before_forward(self, call: ForwardCall, session: Session) -> None:
         """Shape the call: pick what runs, move inputs, decide the engine's gradient sync."""
 
@@ -237,7 +255,10 @@ class Concern:
 class Hooks:
     """Per hook, the bound hooks of the open runtimes that implement it, in order."""
 
-    __slots__ = Concern.HOOKS
+    __slots__ = (*Concern.HOOKS, "fast_forward")
+
+    fast_forward: FastForward | None
+    """The one forward-shaping runtime's whole part in a top-level call, if it offers one."""
 
     before_forward: tuple[Callable[[ForwardCall, Session], None], ...]
     forward_context: tuple[Callable[[ForwardCall], AbstractContextManager[Any] | None], ...]
@@ -262,3 +283,5 @@ class Hooks:
     def __init__(self, concerns: tuple[Concern, ...]) -> None:
         for hook in Concern.HOOKS:
             setattr(self, hook, tuple(getattr(c, hook) for c in concerns if c.overrides(hook)))
+        shaping = [c for c in concerns if any(c.overrides(h) for h in _FORWARD_HOOKS)]
+        self.fast_forward = shaping[0].fast_forward() if len(shaping) == 1 else None

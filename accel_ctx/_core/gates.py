@@ -21,7 +21,7 @@ from torch import nn
 from .._data import iterate as _data
 from . import state as _state
 from . import tracing as _tracing
-from .concern import ForwardCall
+from .concern import NOT_FAST, ForwardCall
 
 _get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
@@ -72,6 +72,10 @@ def top_level_call(
     if not _tracing.registered:  # the user's code may have imported Dynamo since the scope opened
         _tracing.register_if_dynamo_loaded()
     hooks = stack.hooks
+    if hooks.fast_forward is not None:  # one runtime shapes the call: its whole part at once
+        out = hooks.fast_forward(stack, module, args, kwargs)
+        if out is not NOT_FAST:
+            return out
     call = ForwardCall(module, args, kwargs, _grad_enabled())
     for before in hooks.before_forward:  # picks the engine (a broadcast from rank 0 at first)
         before(call, stack.session)

@@ -12,10 +12,12 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from torch import nn
 from typing_extensions import Unpack, override
 
+from .._core import gates as _gates
 from .._core import state as _state
-from .._core.concern import Concern, Engine, ForwardCall, Params
+from .._core.concern import NOT_FAST, Concern, Engine, FastForward, ForwardCall, Params
 from .._core.scope import Scope
 from .._core.session import Session
 from .._data.eval_passes import verdict
@@ -163,6 +165,45 @@ class DistributedRuntime(Concern):
             job, plan)
 
     # ---- a top-level module call ---------------------------------------------------------------
+    @override
+    def fast_forward(self) -> FastForward | None:
+        # DDP's steady state: what before_forward, the gate, forward_failed and forward_done do
+        # for it, in their order; the first calls, evaluation, rank-only code, an uneven tail,
+        # sharded and tensor-parallel models take the general path
+        if (self.tensor is not None or self.plan is not None
+                or self.job.device.type not in ("cpu", "cuda")):  # else inputs are moved
+            return None
+        job = self.job
+        steady_engine = _replicate.steady_engine
+        set_stack, reset_stack = _state.set_stack, _state.reset_stack
+        stock = _gates.stock
+
+        def forward(stack: Any, module: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+            engine = steady_engine(job, module)
+            if engine is None:
+                return NOT_FAST
+            progress = job.progress
+            progress.seq += 1
+            progress.phase, progress.entered_at = FORWARD, None  # no line: Progress.entered_at
+            progress.armed = True  # its backward averages gradients with every rank
+            sync = not holds_back(module)
+            if engine.require_backward_grad_sync is not sync:
+                engine.require_backward_grad_sync = sync
+            try:
+                token = set_stack(stack.forward)  # inside a forward: submodules run stock
+                try:
+                    return stock.module_call(engine, *args, **kwargs)
+                finally:
+                    reset_stack(token)
+            except Exception as exc:
+                _blame.reraise(job, exc, "forward")  # DDP's buffer broadcast
+                raise
+            finally:
+                progress.phase = AFTER_FORWARD
+
+        return forward
+
     @override
     def before_forward(self, call: ForwardCall, session: Session) -> None:
         job = self.job

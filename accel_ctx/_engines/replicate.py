@@ -74,6 +74,24 @@ def prepare(job: Job, module: nn.Module, grad: bool
     return engine, engine
 
 
+def steady_engine(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel | None:
+    """``prepare``'s answer, with its bookkeeping, for the call a training loop makes every step:
+    gradients on, of an adopted model whose DDP engine is built, its first inputs checked, no
+    rank-only code, no uneven tail. None, having changed nothing, for any other call."""
+    record = _records.module_record(module)
+    if (record is None or record.owner is not job.root or not record.root
+            or type(record.engine) is not nn.parallel.DistributedDataParallel):
+        return None
+    adoption = job.adoption
+    if (not adoption.inputs_checked or adoption.uneven_tail is not None
+            or not torch.is_grad_enabled() or _state.rank_only() is not None):
+        return None
+    engine = record.engine
+    adoption.forwards += 1
+    engine.__dict__[LAST_FORWARD] = adoption.forwards
+    return engine
+
+
 def prepare_for_load(job: Job, plan: _fsdp.ShardingPlan | None, objects: dict[str, Any],
                      session: Session, tensor: TensorPlan | None = None) -> None:
     """Lay out the models and optimizers ``load_state`` is about to fill as training will: under
