@@ -206,6 +206,8 @@ class DistributedRuntime(Concern):
 
     @override
     def before_forward(self, call: ForwardCall, session: Session) -> None:
+        # fast_forward() repeats DDP's steady case of this, forward_failed and forward_done
+        # (with the gate's sync vote): a change to one belongs in the other
         job = self.job
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1

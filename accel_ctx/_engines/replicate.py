@@ -69,6 +69,7 @@ def prepare(job: Job, module: nn.Module, grad: bool
     engine = record.engine
     if not isinstance(engine, nn.parallel.DistributedDataParallel):
         return module, None
+    # steady_engine() ends the same way: a change here belongs there too
     adoption.forwards += 1
     engine.__dict__[LAST_FORWARD] = adoption.forwards
     return engine, engine
@@ -87,6 +88,7 @@ def steady_engine(job: Job, module: nn.Module) -> nn.parallel.DistributedDataPar
             or not torch.is_grad_enabled() or _state.rank_only() is not None):
         return None
     engine = record.engine
+    # prepare()'s own last lines, written out: a shared helper would cost a call every step
     adoption.forwards += 1
     engine.__dict__[LAST_FORWARD] = adoption.forwards
     return engine
