@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -42,6 +43,10 @@ STOCK = {
 def assert_stock() -> None:
     for (owner, name), stock in STOCK.items():
         assert owner.__dict__[name] is stock, f"{owner.__name__}.{name} is still patched"
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded by a test, or not
+    if eval_frame is not None:
+        call = eval_frame.OptimizedModule.__dict__["__call__"]
+        assert call.__module__.startswith("torch."), "OptimizedModule.__call__ is still patched"
     assert not any(
         getattr(h, "__module__", "").startswith("accel_ctx")
         for h in optim_module._global_optimizer_pre_hooks.values()

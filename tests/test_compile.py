@@ -142,3 +142,29 @@ def test_a_scope_does_not_import_dynamo(tmp_path):
             "print('torch._dynamo' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr  # importing Dynamo costs about a second
+
+
+def test_the_compiled_models_wrapper_is_patched_only_while_a_scope_is_open_and_dynamo_loaded():
+    import subprocess
+    import sys
+
+    # one process: Dynamo imported inside the scope, then a scope with Dynamo loaded from the start
+    code = (
+        "import sys, torch\n"
+        "from accel_ctx import distributed\n"
+        "with distributed():\n"
+        "    assert 'torch._dynamo' not in sys.modules\n"
+        "    model = torch.compile(torch.nn.Linear(2, 2), backend='eager')\n"
+        "    from torch._dynamo.eval_frame import OptimizedModule\n"
+        "    stock = OptimizedModule.__dict__['__call__']\n"
+        "    model(torch.ones(1, 2))  # the first top-level call finds Dynamo loaded\n"
+        "    assert OptimizedModule.__call__ is not stock\n"
+        "assert OptimizedModule.__dict__['__call__'] is stock\n"
+        "with distributed():\n"
+        "    assert OptimizedModule.__call__ is not stock\n"
+        "    model(torch.ones(1, 2)).sum().backward()\n"
+        "assert OptimizedModule.__dict__['__call__'] is stock\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stderr

@@ -12,8 +12,10 @@ only: DDP's names on an adopted model, ``_engines.ddp_controls``), ``Tensor.back
 ``Optimizer.zero_grad``, ``Module.zero_grad``, ``LRScheduler.step`` and subclasses defining
 their own, ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``, and ``GradScaler``'s
 ``scale``/``unscale_``/``step``/``update``/``get_scale`` (a user's own defers to an fp16
-scope's), and ``set_epoch`` of every Sampler and Dataset class defining it (a call the loop makes
-itself marks the object as driven by the loop).
+scope's), ``set_epoch`` of every Sampler and Dataset class defining it (a call the loop makes
+itself marks the object as driven by the loop) and, once the user's code has imported Dynamo,
+``OptimizedModule.__call__`` (a compiled model that DDP's engine calls inside the user's own call
+of it does not set torch's flag again).
 Not intercepted: ``torch.autograd.backward``/``autograd.grad``, DataLoader subclasses that
 override ``__iter__``, classes defined after the first scope opened, and names bound with
 ``from torch.nn.utils import clip_grad_norm_`` before it opened (use ``accel_ctx``'s own).
@@ -22,9 +24,8 @@ override ``__iter__``, classes defined after the first scope opened, and names b
 from __future__ import annotations
 
 import contextlib
-import functools
+import sys
 import threading
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -38,11 +39,11 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .._data import epochs as _epochs
 from .._data import iterate as _data
 from .._data.torch_private import INDEX_SAMPLER, index_sampler_property
-from .._engines import ddp_controls as _ddp_controls
 from .._precision import user_scaler as _user_scaler
 from .._steps import clip as _clip
 from ..errors import PatchConflictError
 from . import gates as _gates
+from . import replacements as _replacements
 from . import state as _state
 from . import step_gates as _step_gates
 from . import tracing as _tracing
@@ -147,13 +148,13 @@ _SCALER_GATES = {
 def _install() -> None:
     _gates.stock.backward = torch.Tensor.__dict__["backward"]
     _gates.stock.module_call = nn.Module.__dict__["__call__"]
-    module_call = _module_call_for(_gates.stock.module_call)
+    module_call = _replacements.module_call_for(_gates.stock.module_call)
     _tracing.installing(module_call)
     patches = [
         _AttributePatch(nn.Module, "__call__", module_call),
-        _AttributePatch(nn.Module, "__getattr__", _module_getattr_for(nn.Module.__dict__["__getattr__"])),
+        _AttributePatch(nn.Module, "__getattr__", _replacements.module_getattr_for(nn.Module.__dict__["__getattr__"])),
         _AttributePatch(_optim_module, "chain", _step_gates.HookChain),
-        _AttributePatch(torch.Tensor, "backward", _tensor_backward_for(_gates.stock.backward)),
+        _AttributePatch(torch.Tensor, "backward", _replacements.tensor_backward_for(_gates.stock.backward)),
         _wrap(DataLoader, "__iter__", _gates.loader_iter),
         _wrap(DataLoader, "__len__", _gates.loader_len),
         _AttributePatch(DataLoader, INDEX_SAMPLER, index_sampler_property(_data.building_view)),
@@ -170,6 +171,7 @@ def _install() -> None:
     for module in (torch.nn.utils, torch.nn.utils.clip_grad):
         patches.append(_AttributePatch(module, "clip_grad_norm_", _routed(module.clip_grad_norm_, _clip.clip_grad_norm_)))
         patches.append(_AttributePatch(module, "clip_grad_value_", _routed(module.clip_grad_value_, _clip.clip_grad_value_)))
+    patches += _dynamo_patches()
     try:
         for patch in patches:
             patch.install()
@@ -182,6 +184,19 @@ def _install() -> None:
     except BaseException:
         _uninstall()
         raise
+
+
+def _install_dynamo_patches() -> None:
+    """Dynamo was imported after the first scope opened (``_core.tracing`` calls this then)."""
+    with _lock:
+        if _users == 0:
+            return
+        for patch in _dynamo_patches():
+            patch.install()
+            _undo.append(patch.uninstall)
+
+
+_tracing.on_dynamo_loaded = _install_dynamo_patches
 
 
 def _run_first(hooks: dict[int, Any], key: int) -> None:
@@ -204,108 +219,21 @@ def _uninstall() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# nn.Module.__call__: the hot path
+# torch.compile(model).__call__, once the user's code has imported Dynamo
 # ------------------------------------------------------------------------------------------------
-# One replacement per stock function for the life of the process: a compiled graph guards on
-# the __call__ and __getattr__ it traced, so a new scope must not bring new ones (a recompile).
-_replacements: dict[tuple[str, Any], Callable[..., Any]] = {}
-
-
-def _module_call_for(stock: Any) -> Callable[..., Any]:
-    key = ("__call__", stock)
-    if key not in _replacements:
-        _replacements[key] = _make_module_call(stock)
-    return _replacements[key]
-
-
-def _tensor_backward_for(stock: Any) -> Callable[..., Any]:
-    key = ("backward", stock)
-    if key not in _replacements:
-        # the gate's own code under torch's name, signature and docstring: no extra frame
-        gate = _gates.tensor_backward
-        backward = types.FunctionType(gate.__code__, gate.__globals__, "backward",
-                                      gate.__defaults__, gate.__closure__)
-        _replacements[key] = functools.update_wrapper(backward, stock)
-    return _replacements[key]
-
-
-def _module_getattr_for(stock: Any) -> Callable[..., Any]:
-    key = ("__getattr__", stock)
-    if key not in _replacements:
-        _replacements[key] = _make_module_getattr(stock)
-    return _replacements[key]
-
-
-def _make_module_call(stock: Any) -> Callable[..., Any]:
-    # read_stack: the one object _core.tracing teaches Dynamo to trace
-    get_stack = _state.read_stack
-    code = getattr(stock, "__code__", None)
-    if stock is nn.Module._wrapped_call_impl and code is not None and code.co_names == (
-        "_compiled_call_impl",
-        "_call_impl",
-    ):
-        # Same two lines as torch's _wrapped_call_impl, plus one ContextVar read: calling
-        # through to the stock function would add a Python frame to every submodule call.
-        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            stack = get_stack()
-            if stack is not None and not stack.in_forward:
-                return _gates.top_level_call(stack, self, args, kwargs)
-            if self._compiled_call_impl is not None:
-                return self._compiled_call_impl(*args, **kwargs)
-            return self._call_impl(*args, **kwargs)  # type: ignore[no-untyped-call]
-
-    else:  # torch changed, or another library patched __call__ first: wrap what is there
-
-        def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            stack = get_stack()
-            if stack is not None and not stack.in_forward:
-                return _gates.top_level_call(stack, self, args, kwargs)
-            return stock(self, *args, **kwargs)
-
-    __call__.__wrapped__ = stock  # type: ignore[attr-defined]
-    __call__.__doc__ = getattr(stock, "__doc__", None)
-    return __call__
-
-
-# ------------------------------------------------------------------------------------------------
-# nn.Module.__getattr__: every parameter, buffer and submodule read goes through it
-# ------------------------------------------------------------------------------------------------
-_STOCK_GETATTR_NAMES = ("__dict__", "AttributeError", "type", "__name__")
-
-
-def _make_module_getattr(stock: Any) -> Callable[..., Any]:
-    """torch's lookup unchanged; a miss asks ``_engines.ddp_controls`` (DDP's names on an adopted model)."""
-    missing = _ddp_controls.missing_attribute
-    code = getattr(stock, "__code__", None)
-    if code is not None and code.co_names == _STOCK_GETATTR_NAMES:
-        # torch's own body, line for line, so that the hot path costs what it did
-        def __getattr__(self: nn.Module, name: str) -> Any:
-            if "_parameters" in self.__dict__:
-                _parameters = self.__dict__["_parameters"]
-                if name in _parameters:
-                    return _parameters[name]
-            if "_buffers" in self.__dict__:
-                _buffers = self.__dict__["_buffers"]
-                if name in _buffers:
-                    return _buffers[name]
-            if "_modules" in self.__dict__:
-                modules = self.__dict__["_modules"]
-                if name in modules:
-                    return modules[name]
-            return missing(self, name)
-
-    else:  # torch changed, or another library patched __getattr__ first: ask it first
-
-        def __getattr__(self: nn.Module, name: str) -> Any:
-            try:
-                return stock(self, name)
-            except AttributeError:
-                return missing(self, name)
-
-    __getattr__.__wrapped__ = stock  # type: ignore[attr-defined]
-    __getattr__.__doc__ = getattr(stock, "__doc__", None)
-    __getattr__.__qualname__ = "Module.__getattr__"
-    return __getattr__
+def _dynamo_patches() -> list[_AttributePatch]:
+    """The patches of Dynamo's classes, once the user's code has imported Dynamo (``import
+    accel_ctx`` and the scopes never import it)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(eval_frame, "OptimizedModule", None)
+    stock = getattr(optimized, "__dict__", {}).get("__call__")
+    if (stock is None or not isinstance(getattr(eval_frame, "_in_optimized_module", None), bool)
+            or "_set_in_optimized_module" not in getattr(stock, "__code__", stock).co_names):
+        return []  # torch changed: its own __call__ stays
+    if _replacements.is_ours(stock):
+        return []  # in place already
+    return [_AttributePatch(optimized, "__call__",
+                            _replacements.optimized_module_call_for(stock, eval_frame))]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ imported by the user's code: ``import accel_ctx`` and the scopes never import Dy
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from . import state as _state
@@ -30,6 +31,8 @@ from . import state as _state
 registered = False
 """Whether Dynamo knows how to trace ``read_stack`` in this process (read per top-level call)."""
 _module_calls: list[Any] = []
+on_dynamo_loaded: Callable[[], None] | None = None
+"""Set by ``_core.patches``: installs its patches of Dynamo's classes once Dynamo is imported."""
 _RUN_EAGERLY = ("_checkpoint", "_data", "_distributed", "_engines", "_precision", "_ranks", "_steps",
                 "_core.gates", "_core.step_gates", "_core.scope", "_core.session", "_core.state",
                 "_core.status", "_core.tree", "_core.concern")
@@ -60,6 +63,11 @@ def _skip_as_a_frame(module_call: Any) -> None:
     skip_code(module_call.__code__)
 
 
+def run_as_a_frame_of_its_own(function: Any) -> None:
+    """Dynamo runs ``function`` eagerly and traces from the frames it calls (Dynamo is loaded)."""
+    _skip_as_a_frame(function)
+
+
 def register_if_dynamo_loaded() -> None:
     """Teach Dynamo the stack read and the patched ``nn.Module.__call__``, once, if the user's
     code has imported Dynamo already."""
@@ -72,6 +80,8 @@ def register_if_dynamo_loaded() -> None:
 
     for module_call in _module_calls:
         _skip_as_a_frame(module_call)
+    if on_dynamo_loaded is not None:
+        on_dynamo_loaded()
     # Our own code runs eagerly, outside any graph, like the gates: a compiled function that
     # reaches it breaks there once instead of tracing part of it; the model's forward below
     # a gate is compiled as a frame of its own.
