@@ -28,6 +28,18 @@ def _facts(output: str) -> set[str]:
     return set(LINES.findall(output))
 
 
+FACTS = 2 * 3 + 2 + 1  # per rank: 3 epochs and the weights; the load
+# The tutorial destroys its process group while its DDP model is still alive (freed when main()
+# returns): torch 2.13's gloo then sometimes aborts a rank as the process exits.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _reference_ran(returncode: int, stdout: str, stderr: str) -> bool:
+    """The tutorial by hand reported everything: it exited cleanly, or torch aborted it in that
+    teardown after every line was printed."""
+    return returncode == 0 or (TEARDOWN_ABORT in stderr and len(_facts(stdout)) == FACTS)
+
+
 def test_the_ddp_tutorial_migrated_trains_on_the_same_batches_and_saves_what_loads(tmp_path):
     script = str(SCRIPTS / "ddp_tutorial.py")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -40,8 +52,8 @@ def test_the_ddp_tutorial_migrated_trains_on_the_same_batches_and_saves_what_loa
     proc, log = start(["-n", "2", script, str(tmp_path / "accel.pt"), "--accel"], tmp_path,
                       "accel.log")
     stdout, stderr = by_hand.communicate(timeout=scaled(180))
-    assert by_hand.returncode == 0, stdout + stderr
+    assert _reference_ran(by_hand.returncode, stdout, stderr), stdout + stderr
     assert finish(proc, timeout=180) == 0, log.read_text()
     reference, migrated = _facts(stdout), _facts(log.read_text())
-    assert len(reference) == 2 * 3 + 2 + 1  # per rank: 3 epochs and the weights; the load
+    assert len(reference) == FACTS
     assert migrated == reference
