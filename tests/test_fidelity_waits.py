@@ -310,3 +310,19 @@ def test_a_thread_inside_a_collective_is_told_from_one_merely_in_torch_distribut
     assert thread_state(dump(utils, "_verify_param_shape_across_processes"), here)[1]
     assert thread_state(dump(utils, "_recursive_to"), here)[1] == ""  # moving inputs: work
     assert thread_state(dump("/home/me/model.py", "forward"), here)[1] == ""
+
+
+# --- 8e: a progress line names a rank blocked in another collective at the same step ------------
+def test_a_progress_line_tells_another_collective_at_the_same_step_from_the_same_call():
+    from accel_ctx._distributed.heartbeat import wait_line
+
+    mine = {"step": 56, "seq": 0, "phase": "after optimizer step", "where": "train.py:29 in turn",
+            "blocked": "barrier"}
+    other = {**mine, "where": "train.py:56 in report", "blocked": "all_reduce"}
+    assert wait_line(1, 2, mine, {0: dict(mine)}, 30).endswith(
+        "; the other ranks are in the same call")
+    line = wait_line(1, 2, mine, {0: other}, 30)
+    assert line == ("rank 1 of 2 waiting for 30 s at step 56, after optimizer step (at "
+                    "train.py:29 in turn), inside torch.distributed's barrier(); rank 0: step 56, "
+                    "after optimizer step (at train.py:56 in report), inside torch.distributed's "
+                    "all_reduce()"), line

@@ -253,11 +253,9 @@ def wait_line(rank: int, world: int, mine: dict[str, Any], others: dict[int, dic
     """"rank 1 of 2 waiting for 30 s at step 2, in wait_for_everyone() (at train.py:9 in main);
     rank 0: step 2, in forward (at train.py:7 in main)": this rank's wait, where the others are.
     """
-    inside = f", inside torch.distributed's {mine['blocked']}()" if mine.get("blocked") else ""
-    text = f"rank {rank} of {world} waiting for {seconds:.0f} s at {describe(mine)}{inside}"
-    here = (mine.get("step"), mine.get("seq"), mine.get("phase"))
-    elsewhere = [r for r, rec in sorted(others.items())
-                 if r != rank and (rec.get("step"), rec.get("seq"), rec.get("phase")) != here]
+    text = f"rank {rank} of {world} waiting for {seconds:.0f} s at {describe(mine)}{_inside(mine)}"
+    here = _call(mine)
+    elsewhere = [r for r, rec in sorted(others.items()) if r != rank and _call(rec) != here]
     silent = sorted(set(range(world)) - set(others) - {rank})
     parts = [f"rank {r}: {_state_of(others[r])}" for r in elsewhere[:_NAMED]]
     if len(elsewhere) > _NAMED:
@@ -265,6 +263,18 @@ def wait_line(rank: int, world: int, mine: dict[str, Any], others: dict[int, dic
     if silent:
         parts.append(f"rank(s) {silent[:_NAMED]} published nothing yet")
     return "; ".join([text, *(parts or [_SAME_CALL])])
+
+
+def _call(record: dict[str, Any]) -> tuple[Any, ...]:
+    """Where a rank is, as far as telling "the same call" goes: its place in the step, the line,
+    and the torch.distributed call it is blocked in (a barrier on one rank and an all_reduce
+    on the other, both after the same optimizer step, are not the same call)."""
+    return (record.get("step"), record.get("seq"), record.get("phase"), record.get("where"),
+            record.get("blocked"))
+
+
+def _inside(record: dict[str, Any]) -> str:
+    return f", inside torch.distributed's {record['blocked']}()" if record.get("blocked") else ""
 
 
 def _state_of(record: dict[str, Any]) -> str:
@@ -275,4 +285,4 @@ def _state_of(record: dict[str, Any]) -> str:
         return f"failed at {describe(record)}"
     if process_gone(record):
         return f"its process died (last seen at {last_seen(record)})"
-    return describe(record)
+    return describe(record) + _inside(record)
