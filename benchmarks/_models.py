@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,34 @@ def depth_for(modules: int) -> int:
 
 
 def make_model(name: str) -> nn.Module:
-    """``"mlp"`` or ``"deepN"`` (a DeepStack of about N modules), seeded the same every time."""
+    """``"mlp"``, ``"gpt"`` (a small :class:`GPT`, :data:`SMALL_GPT`) or ``"deepN"`` (a
+    DeepStack of about N modules), seeded the same every time."""
     torch.manual_seed(0)
     if name == "mlp":
         return MLP()
+    if name == "gpt":
+        return make_gpt(SMALL_GPT)
     if name.startswith("deep"):
         return DeepStack(depth_for(int(name[4:])))
-    raise ValueError(f"unknown model {name!r}: use 'mlp' or 'deepN' (N modules)")
+    raise ValueError(f"unknown model {name!r}: use 'mlp', 'gpt' or 'deepN' (N modules)")
+
+
+def make_data_for(name: str, samples: int, seed: int = 1234) -> TensorDataset:
+    """``samples`` inputs and targets for :func:`make_model` ``(name)``, in memory."""
+    if name == "gpt":
+        return make_tokens(SMALL_GPT, samples, seed)
+    return make_data(features_of(make_model(name)), samples, seed)
+
+
+def loss_for(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The training loss of :func:`make_model` ``(name)``: cross-entropy over classes, or over
+    the vocabulary at every position."""
+    return next_token_loss if name == "gpt" else F.cross_entropy
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``(batch, seq, vocab)`` logits against ``(batch, seq)`` next tokens."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def features_of(model: nn.Module) -> int:
@@ -149,6 +171,10 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+SMALL_GPT = GPTConfig(vocab=256, seq=32, width=64, layers=2, heads=4)
+"""The ``"gpt"`` model of the step-time benchmark: 0.9 M parameters, 4 blocks."""
 
 
 def make_gpt(cfg: GPTConfig) -> GPT:

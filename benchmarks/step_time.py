@@ -15,6 +15,10 @@ accum4     ... + ``ddp.no_sync()`` on 3 of 4 micro-    ... + ``accumulate(4)``
            batches, loss / 4, step every 4th
 =========  ==========================================  =========================================
 
+Models (``--models``): ``mlp`` (a small MLP: a step of about 2 ms, where a fixed cost per step
+shows most), ``gpt`` (a small GPT-shaped language model, 0.1 M parameters: about 20 ms) and
+``deepN`` (a stack of about N tiny modules: per-submodule costs).
+
 Both sides train on the same in-memory data with the same per-rank batch size and number of
 steps, with subnormal floats flushed to zero in every rank (the two sides' batch orders differ,
 so their weights do, and arithmetic on subnormals is many times slower on x86: without the flush
@@ -31,6 +35,8 @@ Times are per optimizer step: wall = slowest rank, CPU = mean over ranks of the 
     python benchmarks/step_time.py --compile  # both sides call torch.compile(model) (inductor)
     python benchmarks/step_time.py --interleaved  # one group, the loops side by side (see
                                                   # run_rows_interleaved): pairs closer in time
+    python benchmarks/step_time.py --step-pairs   # ... taking turns at every step (see
+                                                  # run_rows_step_pairs): the finest figures
 
 With ``--compile`` the hand-written side is ``DDP(torch.compile(model))`` and the accel_ctx side
 calls ``torch.compile(model)`` inside the scopes (which wrap DDP around it: the same structure).
@@ -44,6 +50,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import contextvars
 import cProfile
 import gc
 import itertools
@@ -62,11 +69,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from _measure import (
     ACCEL,
     REF,
     REF2,
+    Block,
     Comparison,
     Sample,
     Timer,
@@ -75,7 +82,7 @@ from _measure import (
     plan,
     table,
 )
-from _models import features_of, make_data, make_model
+from _models import loss_for, make_data_for, make_model
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.optimizer import (
@@ -122,6 +129,7 @@ class Settings:
     profile: str | None  # cProfile rank 0's accel_ctx blocks into this file
     check: bool  # count the work of one block per side instead of timing
     interleaved: bool = False  # one group, the loops alive side by side (run_rows_interleaved)
+    step_pairs: bool = False  # ... taking turns at every optimizer step (run_rows_step_pairs)
 
 
 # What watches the timed part of a block: (row, side, model, optimizer steps) -> context
@@ -181,6 +189,13 @@ def hand_loop(row: Row, data: TensorDataset, fresh: bool = True
               ) -> tuple[nn.Module, Callable[[int], None]]:
     """The loop as one writes it with DDP, DistributedSampler, autocast, GradScaler, no_sync
     (in the process group already formed): the model and one epoch of the loop."""
+    model, epoch_steps = hand_steps(row, data, fresh)
+    return model, whole_epochs(epoch_steps)
+
+
+def hand_steps(row: Row, data: TensorDataset, fresh: bool = True
+               ) -> tuple[nn.Module, Callable[[int], Iterator[None]]]:
+    """``hand_loop``'s model and epoch, the epoch pausing after each optimizer step."""
     model = make_model(row.model)
     ddp = DDP(compiled(row, model, fresh))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
@@ -188,28 +203,31 @@ def hand_loop(row: Row, data: TensorDataset, fresh: bool = True
     loader = DataLoader(data, batch_size=BATCH, sampler=sampler)
     dtype = DTYPES.get(row.mode)
     scaler = torch.amp.GradScaler("cpu") if row.mode == "fp16" else None
+    loss_of = loss_for(row.model)
 
-    def run_epoch(epoch: int) -> None:
+    def epoch_steps(epoch: int) -> Iterator[None]:
         sampler.set_epoch(epoch)
         if row.mode == "accum4":
             for i, (x, y) in enumerate(loader):
                 boundary = (i + 1) % ACCUMULATE == 0
                 with nullcontext() if boundary else ddp.no_sync():
-                    loss = F.cross_entropy(ddp(x), y) / ACCUMULATE
+                    loss = loss_of(ddp(x), y) / ACCUMULATE
                     loss.backward()
                 if boundary:
                     opt.step()
                     opt.zero_grad()
+                    yield
         elif dtype is None:
             for x, y in loader:
-                loss = F.cross_entropy(ddp(x), y)
+                loss = loss_of(ddp(x), y)
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
+                yield
         else:
             for x, y in loader:
                 with torch.autocast("cpu", dtype=dtype):  # torch's AMP recipe
-                    loss = F.cross_entropy(ddp(x), y)
+                    loss = loss_of(ddp(x), y)
                 if scaler is not None:
                     scaler.scale(loss).backward()
                     scaler.step(opt)
@@ -218,8 +236,19 @@ def hand_loop(row: Row, data: TensorDataset, fresh: bool = True
                     loss.backward()
                     opt.step()
                 opt.zero_grad()
+                yield
 
-    return model, run_epoch
+    return model, epoch_steps
+
+
+def whole_epochs(epoch_steps: Callable[[int], Iterator[None]]) -> Callable[[int], None]:
+    """An epoch run to its end, from its steps."""
+
+    def run_epoch(epoch: int) -> None:
+        for _ in epoch_steps(epoch):
+            pass
+
+    return run_epoch
 
 
 def hand_written(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
@@ -252,19 +281,37 @@ def accel_scopes(row: Row) -> ExitStack:
 def accel_loop(row: Row, data: TensorDataset, fresh: bool = True
                ) -> tuple[nn.Module, Callable[[int], None]]:
     """The plain loop, unchanged, as it runs inside accel_ctx's scopes."""
+    model, epoch_steps = accel_steps(row, data, fresh)
+    return model, whole_epochs(epoch_steps)
+
+
+def accel_steps(row: Row, data: TensorDataset, fresh: bool = True
+                ) -> tuple[nn.Module, Callable[[int], Iterator[None]]]:
+    """``accel_loop``'s model and epoch, the epoch pausing after each optimizer step."""
     model = make_model(row.model)
     net = compiled(row, model, fresh)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loader = DataLoader(data, batch_size=BATCH, shuffle=True)
+    loss_of = loss_for(row.model)
 
-    def run_epoch(epoch: int) -> None:
+    def epoch_steps(epoch: int) -> Iterator[None]:
         for x, y in loader:
-            loss = F.cross_entropy(net(x), y)
+            loss = loss_of(net(x), y)
             loss.backward()
             opt.step()
             opt.zero_grad()
+            yield
 
-    return model, run_epoch
+    def epoch_groups(epoch: int) -> Iterator[None]:  # the same loop, paused per real step
+        for i, (x, y) in enumerate(loader):
+            loss = loss_of(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if (i + 1) % ACCUMULATE == 0:
+                yield
+
+    return model, epoch_groups if row.mode == "accum4" else epoch_steps
 
 
 def with_accel_ctx(ctx: Rank, row: Row, data: TensorDataset, warmup: int, epochs: int) -> Sample:
@@ -342,7 +389,7 @@ def counting(model: nn.Module, counts: Counter[str]) -> Iterator[None]:
 
 def row_data(ctx: Rank, row: Row) -> TensorDataset:
     """The in-memory data of a row: every rank's batches of one epoch, shaped for its model."""
-    return make_data(features_of(make_model(row.model)), ctx.world * BATCH * row.batches_per_epoch)
+    return make_data_for(row.model, ctx.world * BATCH * row.batches_per_epoch)
 
 
 def check_rows(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
@@ -426,6 +473,101 @@ def interleaved_row(ctx: Rank, settings: Settings, report: Callable[..., None], 
         report("sample", index, each, block(each.side, epochs))
 
 
+# all six orders of the three sides, in turn: no side keeps a place in the sequence
+TURN_ORDERS = tuple(itertools.permutations((REF, ACCEL, REF2)))
+
+
+def run_rows_step_pairs(ctx: Rank, settings: Settings, report: Callable[..., None]) -> None:
+    """``--step-pairs``: one process group as with ``--interleaved``, the three loops alive side
+    by side, taking turns at every optimizer step, in all six orders in turn. Every rank starts
+    each step at once (an untimed barrier), and a step's wall time is its slowest rank's. The
+    hand-written steps run on stock PyTorch: accel_ctx's patches are taken out around each of
+    them (untimed) and the scopes' state is out of their sight (a context of their own). A pair
+    is the mean per step of ``steps`` turns of each side, so a row's pairs are seconds apart
+    where blocks are, but each pair's sides ran interleaved within milliseconds: the drift of
+    the machine cancels, and the epoch starts (accel_ctx's broadcast) are in the means."""
+    store = dist.PrefixStore("step-pairs", ctx.store)
+    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
+    try:
+        for index, row in enumerate(settings.rows):
+            data = row_data(ctx, row)
+            torch._dynamo.reset()
+            loops = {REF: hand_steps(row, data, fresh=False),
+                     REF2: hand_steps(row, data, fresh=False),
+                     ACCEL: accel_steps(row, data, fresh=False)}
+            turns = {side: _endless(epoch_steps) for side, (_, epoch_steps) in loops.items()}
+            with accel_scopes(row):  # open throughout; the hand-written turns step out of it
+                step_pairs_row(ctx, settings, report, index, row, turns)
+            loops.clear()
+            turns.clear()
+            gc.unfreeze()
+            gc.collect()
+    finally:
+        dist.destroy_process_group()
+
+
+def _endless(epoch_steps: Callable[[int], Iterator[None]]) -> Iterator[None]:
+    for epoch in itertools.count():
+        yield from epoch_steps(epoch)
+
+
+def step_pairs_row(ctx: Rank, settings: Settings, report: Callable[..., None], index: int,
+                   row: Row, turns: dict[str, Iterator[None]]) -> None:
+    from accel_ctx._core import patches  # the benchmark's own switch: stock torch for side A
+
+    own_contexts = {side: contextvars.Context() for side in (REF, REF2)}
+
+    def turn(side: str) -> tuple[float, float]:
+        if side == ACCEL:
+            dist.barrier()
+            with Timer() as timer:
+                next(turns[side])
+            return timer.wall, timer.cpu
+        held = 0
+        while patches.installed():  # one hold per open scope
+            patches.release()
+            held += 1
+        try:
+            assert_stock()
+            dist.barrier()
+            with Timer() as timer:
+                own_contexts[side].run(next, turns[side])
+        finally:
+            for _ in range(held):
+                patches.acquire()
+        return timer.wall, timer.cpu
+
+    warmup = settings.warmup_epochs * row.opt_steps_per_epoch
+    for order in itertools.islice(itertools.cycle(TURN_ORDERS), warmup):  # compiles first
+        for side in order:
+            turn(side)
+    probe = [turn(REF)[0] for _ in range(8)]
+    agreed = torch.tensor([calibrate(sorted(probe)[4], settings.block_seconds, 6, 10_000)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank takes as many turns
+    steps = int(agreed.item())
+    steps -= steps % len(TURN_ORDERS)
+    report("steps", index, steps, None)
+    gc.collect()
+    gc.freeze()
+    orders = itertools.cycle(TURN_ORDERS)
+    for pair in range(settings.pairs):
+        gc.collect()
+        times: dict[str, list[tuple[float, float]]] = {REF: [], ACCEL: [], REF2: []}
+        for order in itertools.islice(orders, steps):
+            for side in order:
+                times[side].append(turn(side))
+        for side, kinds in ((REF, ("AB", "AA")), (ACCEL, ("AB",)), (REF2, ("AA",))):
+            wall = torch.tensor([w for w, _ in times[side]], dtype=torch.float64)
+            cpu = torch.tensor([c for _, c in times[side]], dtype=torch.float64)
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # each step's slowest rank
+            dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+            sample = Sample(wall.mean().item(), cpu.mean().item() / ctx.world)
+            typical = Sample(wall.median().item(), cpu.median().item() / ctx.world)
+            for kind in kinds:
+                report("sample", index, Block(pair, kind, side), sample)
+                report("typical", index, Block(pair, kind, side), typical)
+
+
 def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
@@ -452,7 +594,9 @@ def worker(rank: int, world: int, tmp: str, settings: Settings, results: Any) ->
             profiles = Profiles() if settings.profile and rank == 0 else None
             if profiles is not None:
                 ctx.observe = profiles.observe
-            (run_rows_interleaved if settings.interleaved else run_rows)(ctx, settings, report)
+            drive = (run_rows_step_pairs if settings.step_pairs
+                     else run_rows_interleaved if settings.interleaved else run_rows)
+            drive(ctx, settings, report)
             if profiles is not None and settings.profile is not None:
                 profiles.finish(settings.profile, settings.rows, report)
         results.put(("done", rank, None, None))
@@ -532,7 +676,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-seconds", type=float,
                         help="target length of one timed block (default 0.4)")
     parser.add_argument("--models", default="mlp,deep200",
-                        help="comma list: mlp, deepN (a stack of ~N tiny modules)")
+                        help="comma list: mlp, gpt (a small GPT), deepN (a stack of ~N tiny "
+                             "modules)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {MODES}")
     parser.add_argument("--world", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--profile", metavar="FILE",
@@ -545,6 +690,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--interleaved", action="store_true",
                         help="one process group and all loops alive side by side, alternating "
                         "blocks a fraction of a second apart (see run_rows_interleaved)")
+    parser.add_argument("--step-pairs", action="store_true",
+                        help="one process group, the loops taking turns at every optimizer step; "
+                        "a pair is --block-seconds of turns per side (see run_rows_step_pairs)")
     args = parser.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
@@ -564,6 +712,7 @@ def main(argv: list[str] | None = None) -> int:
         profile=args.profile,
         check=args.check,
         interleaved=args.interleaved,
+        step_pairs=args.step_pairs,
     )
     torch.set_num_threads(1)
     if settings.check:
@@ -576,20 +725,28 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     start = time.perf_counter()
     comparisons = [Comparison(row.name) for row in settings.rows]
+    typical = [Comparison(row.name) for row in settings.rows]
     calls: dict[int, dict[str, float]] = {}
     for kind, index, block, sample in run(settings, args.world, timeout=1800.0):
         name = comparisons[index].name
-        if kind == "epochs":
-            print(f"  {name:<22} {block} epochs per timed block", file=sys.stderr, flush=True)
+        if kind in ("epochs", "steps"):
+            print(f"  {name:<22} {block} {kind} per timed block{' and side' if kind == 'steps' else ''}",
+                  file=sys.stderr, flush=True)
             continue
         if kind == "calls":
             calls.setdefault(index, {})[block] = sample
+            continue
+        if kind == "typical":
+            typical[index].add(block, sample)
             continue
         comparisons[index].add(block, sample)
         print(f"  {name:<22} pair {block.pair} {block.kind} {block.side:<2} "
               f"{sample.wall * 1e3:8.3f} ms/step wall {sample.cpu * 1e3:8.3f} ms/step cpu",
               file=sys.stderr, flush=True)
     print(table(comparisons, "optimizer step", TARGET))
+    if settings.step_pairs:
+        print("\nthe median step of each pair instead of the mean (leaves out the epoch starts)")
+        print(table(typical, "optimizer step", TARGET))
     print(f"({time.perf_counter() - start:.0f} s)")
     if args.profile:
         print("\nPython function calls per optimizer step under cProfile (rank 0; deterministic,"
