@@ -186,6 +186,10 @@ def rank_only_and_parts() -> dict[str, Any]:
             s = state()
             out["own_group"] = (s.rank, s.local_rank, s.world_size, s.local_world_size)
         out["own_group_alive"] = dist.is_initialized()
+        # Nothing above communicates: without a collective, a rank that finished connecting
+        # could tear the group down while another still connects to it, which gloo reports
+        # there as "Connection closed by peer" (seen with 3 ranks on a busy machine).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     return out
