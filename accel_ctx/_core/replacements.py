@@ -22,7 +22,7 @@ from . import state as _state
 from . import tracing as _tracing
 
 # ------------------------------------------------------------------------------------------------
-# nn.Module.__call__: the hot path
+# made once per process
 # ------------------------------------------------------------------------------------------------
 # One replacement per stock function for the life of the process: a compiled graph guards on
 # the __call__ and __getattr__ it traced, so a new scope must not bring new ones (a recompile).
@@ -34,34 +34,47 @@ def is_ours(function: Any) -> bool:
     return any(function is made for made in _replacements.values())
 
 
+def _made_once(name: str, stock: Any, make: Callable[[], Callable[..., Any]]
+               ) -> Callable[..., Any]:
+    """The replacement of ``stock`` (the entry point ``name``), made by ``make`` the first time."""
+    key = (name, stock)
+    if key not in _replacements:
+        _replacements[key] = make()
+    return _replacements[key]
+
+
 def module_call_for(stock: Any) -> Callable[..., Any]:
     """What replaces ``nn.Module.__call__`` (``stock``)."""
-    key = ("__call__", stock)
-    if key not in _replacements:
-        _replacements[key] = _make_module_call(stock)
-    return _replacements[key]
+    return _made_once("__call__", stock, lambda: _make_module_call(stock))
 
 
 def tensor_backward_for(stock: Any) -> Callable[..., Any]:
     """What replaces ``torch.Tensor.backward`` (``stock``)."""
-    key = ("backward", stock)
-    if key not in _replacements:
-        # the gate's own code under torch's name, signature and docstring: no extra frame
-        gate = _gates.tensor_backward
-        backward = types.FunctionType(gate.__code__, gate.__globals__, "backward",
-                                      gate.__defaults__, gate.__closure__)
-        _replacements[key] = functools.update_wrapper(backward, stock)
-    return _replacements[key]
+    return _made_once("backward", stock, lambda: _make_tensor_backward(stock))
 
 
 def module_getattr_for(stock: Any) -> Callable[..., Any]:
     """What replaces ``nn.Module.__getattr__`` (``stock``)."""
-    key = ("__getattr__", stock)
-    if key not in _replacements:
-        _replacements[key] = _make_module_getattr(stock)
-    return _replacements[key]
+    return _made_once("__getattr__", stock, lambda: _make_module_getattr(stock))
 
 
+def optimized_module_call_for(stock: Any, eval_frame: Any) -> Callable[..., Any]:
+    """What replaces ``torch.compile``'s ``OptimizedModule.__call__`` (``stock``; Dynamo loaded)."""
+    return _made_once("OptimizedModule.__call__", stock,
+                      lambda: _make_optimized_module_call(stock, eval_frame))
+
+
+def _make_tensor_backward(stock: Any) -> Callable[..., Any]:
+    # the gate's own code under torch's name, signature and docstring: no extra frame
+    gate = _gates.tensor_backward
+    backward = types.FunctionType(gate.__code__, gate.__globals__, "backward",
+                                  gate.__defaults__, gate.__closure__)
+    return functools.update_wrapper(backward, stock)
+
+
+# ------------------------------------------------------------------------------------------------
+# nn.Module.__call__: the hot path
+# ------------------------------------------------------------------------------------------------
 def _make_module_call(stock: Any) -> Callable[..., Any]:
     # read_stack: the one object _core.tracing teaches Dynamo to trace
     get_stack = _state.read_stack
@@ -137,14 +150,6 @@ def _make_module_getattr(stock: Any) -> Callable[..., Any]:
 # ------------------------------------------------------------------------------------------------
 # torch.compile(model).__call__: the compiled model DDP's engine calls for the user's call of it
 # ------------------------------------------------------------------------------------------------
-def optimized_module_call_for(stock: Any, eval_frame: Any) -> Callable[..., Any]:
-    """What replaces ``torch.compile``'s ``OptimizedModule.__call__`` (``stock``; Dynamo loaded)."""
-    key = ("OptimizedModule.__call__", stock)
-    if key not in _replacements:
-        _replacements[key] = _make_optimized_module_call(stock, eval_frame)
-    return _replacements[key]
-
-
 def _make_optimized_module_call(stock: Any, eval_frame: Any) -> Callable[..., Any]:
     optimized = eval_frame.OptimizedModule
     has_global_hook: Callable[[], bool] = nn.modules.module._has_any_global_hook
@@ -161,5 +166,5 @@ def _make_optimized_module_call(stock: Any, eval_frame: Any) -> Callable[..., An
     __call__.__wrapped__ = stock  # type: ignore[attr-defined]
     __call__.__doc__ = getattr(stock, "__doc__", None)
     __call__.__qualname__ = "OptimizedModule.__call__"
-    _tracing.run_as_a_frame_of_its_own(__call__)  # as torch's own: Dynamo skips its files
+    _tracing.skip_as_a_frame(__call__)  # as torch's own: Dynamo skips its files
     return __call__

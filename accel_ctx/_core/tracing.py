@@ -50,22 +50,18 @@ def installing(module_call: Any) -> None:
     if module_call not in _module_calls:
         _module_calls.append(module_call)
         if registered:
-            _skip_as_a_frame(module_call)
+            skip_as_a_frame(module_call)
     register_if_dynamo_loaded()
 
 
-def _skip_as_a_frame(module_call: Any) -> None:
+def skip_as_a_frame(function: Any) -> None:
+    """Dynamo runs ``function`` eagerly and traces from the frames it calls (Dynamo is loaded)."""
     from torch._dynamo.eval_frame import skip_code
 
     # A model compiled inside a scope compiles its bound __call__ (ours) as the top frame:
     # skipped, as torch's own __call__ is, it runs eagerly (the gates have run: torch's path)
     # and Dynamo starts at the frames below it, hooks outside the graph as without a scope.
-    skip_code(module_call.__code__)
-
-
-def run_as_a_frame_of_its_own(function: Any) -> None:
-    """Dynamo runs ``function`` eagerly and traces from the frames it calls (Dynamo is loaded)."""
-    _skip_as_a_frame(function)
+    skip_code(function.__code__)
 
 
 def register_if_dynamo_loaded() -> None:
@@ -79,7 +75,7 @@ def register_if_dynamo_loaded() -> None:
     from torch.compiler import substitute_in_graph
 
     for module_call in _module_calls:
-        _skip_as_a_frame(module_call)
+        skip_as_a_frame(module_call)
     if on_dynamo_loaded is not None:
         on_dynamo_loaded()
     # Our own code runs eagerly, outside any graph, like the gates: a compiled function that
