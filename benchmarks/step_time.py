@@ -302,7 +302,9 @@ def accel_steps(row: Row, data: TensorDataset, fresh: bool = True
             opt.zero_grad()
             yield
 
-    def epoch_groups(epoch: int) -> Iterator[None]:  # the same loop, paused per real step
+    # The same loop, paused per real step. Two copies rather than one with a step count: the
+    # hand-written fp32 loop counts nothing per batch, so neither does this one's.
+    def epoch_groups(epoch: int) -> Iterator[None]:
         for i, (x, y) in enumerate(loader):
             loss = loss_of(net(x), y)
             loss.backward()
@@ -434,18 +436,26 @@ def run_rows_interleaved(ctx: Rank, settings: Settings, report: Callable[..., No
     group. A pair's two blocks run a fraction of a second apart, so the machine's drift over
     seconds (most of the spread of ``run_rows``' pairs, with a new group, model and compile per
     block) cancels within the pair. Each model is compiled once, in its first block."""
-    store = dist.PrefixStore("interleaved", ctx.store)
+    for index, row, data in rows_in_one_group(ctx, settings, "interleaved"):
+        loops = {REF: hand_loop(row, data, fresh=False), REF2: hand_loop(row, data, fresh=False),
+                 ACCEL: accel_loop(row, data, fresh=False)}
+        interleaved_row(ctx, settings, report, index, row, loops)
+        loops.clear()  # collected before the next row (rows_in_one_group)
+
+
+def rows_in_one_group(ctx: Rank, settings: Settings, name: str
+                      ) -> Iterator[tuple[int, Row, TensorDataset]]:
+    """Each row with its data, in one process group formed by hand as a DDP script forms it;
+    Dynamo reset before a row (its models compile afresh), its garbage collected after it."""
+    store = dist.PrefixStore(name, ctx.store)
     dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
     try:
         for index, row in enumerate(settings.rows):
             data = row_data(ctx, row)
             torch._dynamo.reset()
-            loops = {REF: hand_loop(row, data, fresh=False), REF2: hand_loop(row, data, fresh=False),
-                     ACCEL: accel_loop(row, data, fresh=False)}
-            interleaved_row(ctx, settings, report, index, row, loops)
-            loops.clear()
+            yield index, row, data
             gc.unfreeze()
-            gc.collect()
+            gc.collect()  # the row's loops, which the caller dropped
     finally:
         dist.destroy_process_group()
 
@@ -486,24 +496,15 @@ def run_rows_step_pairs(ctx: Rank, settings: Settings, report: Callable[..., Non
     is the mean per step of ``steps`` turns of each side, so a row's pairs are seconds apart
     where blocks are, but each pair's sides ran interleaved within milliseconds: the drift of
     the machine cancels, and the epoch starts (accel_ctx's broadcast) are in the means."""
-    store = dist.PrefixStore("step-pairs", ctx.store)
-    dist.init_process_group("gloo", store=store, rank=ctx.rank, world_size=ctx.world)
-    try:
-        for index, row in enumerate(settings.rows):
-            data = row_data(ctx, row)
-            torch._dynamo.reset()
-            loops = {REF: hand_steps(row, data, fresh=False),
-                     REF2: hand_steps(row, data, fresh=False),
-                     ACCEL: accel_steps(row, data, fresh=False)}
-            turns = {side: _endless(epoch_steps) for side, (_, epoch_steps) in loops.items()}
-            with accel_scopes(row):  # open throughout; the hand-written turns step out of it
-                step_pairs_row(ctx, settings, report, index, row, turns)
-            loops.clear()
-            turns.clear()
-            gc.unfreeze()
-            gc.collect()
-    finally:
-        dist.destroy_process_group()
+    for index, row, data in rows_in_one_group(ctx, settings, "step-pairs"):
+        loops = {REF: hand_steps(row, data, fresh=False),
+                 REF2: hand_steps(row, data, fresh=False),
+                 ACCEL: accel_steps(row, data, fresh=False)}
+        turns = {side: _endless(epoch_steps) for side, (_, epoch_steps) in loops.items()}
+        with accel_scopes(row):  # open throughout; the hand-written turns step out of it
+            step_pairs_row(ctx, settings, report, index, row, turns)
+        loops.clear()  # collected before the next row (rows_in_one_group)
+        turns.clear()
 
 
 def _endless(epoch_steps: Callable[[int], Iterator[None]]) -> Iterator[None]:
