@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from types import FrameType
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, cast
 
 import torch
@@ -115,7 +116,7 @@ class Concern:
         "before_backward", "backward_context", "backward_failed", "after_backward",
         "allows_step", "skips_step", "before_step", "after_step", "first_optimizer",
         "allows_zero_grad", "defers_clipping", "grads_for_clipping", "before_batch",
-        "before_schedule",
+        "before_schedule", "before_touch",
     )
 
     def overrides(self, hook: str) -> bool:
@@ -243,6 +244,10 @@ class Concern:
         """(micro-batches done, group size) while gradients of an unfinished group are held."""
         return None
 
+    def before_touch(self, module: nn.Module, session: Session, caller: FrameType) -> None:
+        """The script (from ``caller``'s frame) is about to read or load ``module``'s parameters
+        or state before its first forward (``_engines.touch``): lay it out as training will."""
+
     def prepare_for_load(self, objects: dict[str, Any], session: Session) -> None:
         """Lay out the models and optimizers about to be loaded as training will use them
         (moved to the device, or sharded: each rank then reads only its own part)."""
@@ -279,6 +284,7 @@ class Hooks:
     grads_for_clipping: tuple[Callable[[Session, list[torch.Tensor]], Grads | None], ...]
     before_batch: tuple[Callable[[Session], None], ...]
     before_schedule: tuple[Callable[[Any, Session], None], ...]
+    before_touch: tuple[Callable[[nn.Module, Session, FrameType], None], ...]
 
     def __init__(self, concerns: tuple[Concern, ...]) -> None:
         for hook in Concern.HOOKS:

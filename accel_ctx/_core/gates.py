@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+import wrapt
 from torch import nn
 
 from .._data import iterate as _data
@@ -178,6 +181,24 @@ def tensor_backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
 # ------------------------------------------------------------------------------------------------
 # DataLoader
 # ------------------------------------------------------------------------------------------------
+def module_touch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model.parameters()``, ``state_dict()`` & co.: a touch before the first forward lays the
+    model out as training will (``_engines.touch``), then torch's own method runs."""
+    stack = _state.current()
+    if stack is not None and stack.hooks.before_touch:
+        module = instance if isinstance(instance, nn.Module) else (args[0] if args else None)
+        if isinstance(module, nn.Module):
+            caller = sys._getframe(1)
+            while caller.f_back is not None and caller.f_code.co_filename.startswith(_WRAPT):
+                caller = caller.f_back  # wrapt's pure-Python fallback, if it runs
+            for hook in stack.hooks.before_touch:
+                hook(module, stack.session, caller)
+    return wrapped(*args, **kwargs)
+
+
+_WRAPT = os.path.dirname(wrapt.__file__)
+
+
 def loader_iter(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stack = _state.current()
     if stack is None:

@@ -9,7 +9,10 @@ only: DDP's names on an adopted model, ``_engines.ddp_controls``), ``Tensor.back
 ``DataLoader.__iter__``/``__len__`` (and the index sampler its iterator reads),
 ``Optimizer.step`` (through torch's global step hooks, so every call path is seen; the
 ``chain`` of ``torch.optim.optimizer``'s hook loops, so a held-back step runs no hook),
-``Optimizer.zero_grad``, ``Module.zero_grad``, ``LRScheduler.step`` and subclasses defining
+``Optimizer.zero_grad``, ``Module.zero_grad``, ``Module.parameters``/``named_parameters``/
+``buffers``/``named_buffers``/``state_dict``/``load_state_dict`` (a touch before a sharded
+model's first forward shards it: ``_engines.touch``; torch's module registration hook says
+which model a part lives in), ``LRScheduler.step`` and subclasses defining
 their own, ``torch.nn.utils.clip_grad_norm_``/``clip_grad_value_``, and ``GradScaler``'s
 ``scale``/``unscale_``/``step``/``update``/``get_scale`` (a user's own defers to an fp16
 scope's), ``set_epoch`` of every Sampler and Dataset class defining it (a call the loop makes
@@ -39,6 +42,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from .._data import epochs as _epochs
 from .._data import iterate as _data
 from .._data.torch_private import INDEX_SAMPLER, index_sampler_property
+from .._engines import touch as _touch
 from .._precision import user_scaler as _user_scaler
 from .._steps import clip as _clip
 from ..errors import PatchConflictError
@@ -160,6 +164,7 @@ def _install() -> None:
         _AttributePatch(DataLoader, INDEX_SAMPLER, index_sampler_property(_data.building_view)),
         _wrap(nn.Module, "zero_grad", _step_gates.zero_grad),
     ]
+    patches += [_wrap(nn.Module, name, _gates.module_touch) for name in _touch.TOUCHES]
     patches += [_wrap(c, "zero_grad", _step_gates.zero_grad) for c in _classes_defining(torch.optim.Optimizer, "zero_grad")]
     patches += [_wrap(c, "step", _step_gates.scheduler_step) for c in _classes_defining(lr_scheduler.LRScheduler, "step")]
     for name, gate in _SCALER_GATES.items():  # a user's GradScaler defers to an fp16 scope's
@@ -181,6 +186,9 @@ def _install() -> None:
         _run_first(_optim_module._global_optimizer_pre_hooks, pre.id)
         post = _optim_module.register_optimizer_step_post_hook(_step_gates.after_step)
         _undo.append(post.remove)
+        # which module a part lives in, for a touch of the part (_engines.touch)
+        children = nn.modules.module.register_module_module_registration_hook(_touch.note_child)
+        _undo.append(children.remove)
     except BaseException:
         _uninstall()
         raise

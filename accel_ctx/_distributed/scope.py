@@ -9,6 +9,7 @@ phase of the step for the other ranks' failure messages (``_distributed.blame``)
 from __future__ import annotations
 
 from contextlib import ExitStack
+from types import FrameType
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ from .._engines import (
 )
 from .._engines import (
     tensor_parallel as _tensor_parallel,
+)
+from .._engines import (
+    touch as _touch,
 )
 from .._engines.ddp_controls import holds_back
 from .._engines.replica_inputs import check_first_inputs
@@ -303,6 +307,16 @@ class DistributedRuntime(Concern):
         job = self.job
         return {**job.coordinates.as_dict(), "device": job.device, "backend": job.backend,
                 "distributed": True}
+
+    @override
+    def overrides(self, hook: str) -> bool:
+        if hook == "before_touch" and self.plan is None and self.tensor is None:
+            return False  # under DDP a model is laid out at its first forward
+        return super().overrides(hook)
+
+    @override
+    def before_touch(self, module: nn.Module, session: Session, caller: FrameType) -> None:
+        _touch.shard_at_touch(self.job, self.plan, self.tensor, module, session, caller)
 
     @override
     def prepare_for_load(self, objects: dict[str, Any], session: Session) -> None:

@@ -26,7 +26,10 @@ _OWN = ("blocks", "reshard_after_forward", "cpu_offload", "shard_size", "hybrid"
 class sharded(Scope):
     """Shard the parameters, gradients and optimizer states of the models over the ranks.
 
-    Inside the scope a model's first call shards it with torch's FSDP2 (``fully_shard``): each
+    Inside the scope a model's first call shards it with torch's FSDP2 (``fully_shard``), or,
+    where the script touches the model before that (``model.parameters()`` for an optimizer,
+    ``state_dict()``, ``load_state_dict()``, DCP's ``get_model_state_dict``/``set_model_state_dict``),
+    that first touch does, so the script sees DTensors as after a hand-written ``fully_shard``: each
     block on its own (found automatically: the repeated children of a ``ModuleList`` or
     ``Sequential``, e.g. transformer layers; or given by ``blocks``), then the whole model.
     Every rank starts from rank 0's weights; optimizers made before or after follow the model

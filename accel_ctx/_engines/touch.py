@@ -1,0 +1,136 @@
+"""A model is sharded when the script first touches it, if that comes before its first forward.
+
+Hand-written FSDP2 shards a model at ``fully_shard()``, right after building it, and every line
+after that sees the sharded model: an optimizer over ``model.parameters()``, ``model.state_dict()``
+(DTensors, with their ``device_mesh`` and ``placements``), ``load_state_dict``, DCP's
+``get_model_state_dict``/``set_model_state_dict``. Under ``sharded()`` (and ``tp=``) a model is
+sharded at its first forward, unless the script touches it before: then at that touch. A touch
+is a call of ``parameters``, ``named_parameters``, ``buffers``, ``named_buffers``,
+``state_dict`` or ``load_state_dict``:
+
+- made by the script itself or by DCP's state-dict functions; torch's own module code,
+  accel_ctx and installed libraries (a ``from_pretrained`` building and loading a model) do not
+  count, and the model is sharded at its first forward as before;
+- on a model whose construction is over (no module's ``__init__`` is running: nanoGPT counts
+  its parameters inside its ``__init__``);
+- on any part of it: the outermost module it was built into (seen through torch's module
+  registration hook while a scope is open) is the one sharded.
+
+A model built on ``meta`` is left to its first forward, which gives it values and shards it.
+"""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import threading
+import types
+import weakref
+
+import torch
+from torch import nn
+
+from .._core import state as _state
+from .._core.session import Session
+from .._distributed.job import Job
+from . import adopt as _adopt
+from . import fsdp as _fsdp
+from . import records as _records
+from . import tensor_parallel as _tensor_parallel
+from .tp_plan import TensorPlan
+
+TOUCHES = ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict",
+           "load_state_dict")
+"""The ``nn.Module`` methods that count as a touch (patched in ``_core.patches``)."""
+
+_parents: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
+_busy = threading.local()
+_DCP = os.sep + os.path.join("torch", "distributed", "checkpoint") + os.sep
+
+
+def note_child(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """torch's global module registration hook: ``child`` now lives in ``parent``."""
+    if child is None:
+        return
+    key = id(child)
+
+    def gone(ref: weakref.ref[nn.Module]) -> None:
+        entry = _parents.get(key)
+        if entry is not None and entry[0] is ref:
+            del _parents[key]
+
+    _parents[key] = (weakref.ref(child, gone), weakref.ref(parent))
+
+
+def _root_of(module: nn.Module) -> nn.Module:
+    """The outermost module ``module`` lives in (as far as the registrations seen tell)."""
+    for _ in range(256):
+        entry = _parents.get(id(module))
+        parent = entry[1]() if entry is not None and entry[0]() is module else None
+        if parent is None or not any(c is module for c in parent._modules.values()):
+            return module
+        module = parent
+    return module
+
+
+def _installed_prefixes() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    places = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    places.add(os.path.dirname(torch.__file__))
+    places.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # accel_ctx
+    return tuple(os.path.join(os.path.realpath(p), "") for p in places)
+
+
+_INSTALLED: tuple[str, ...] | None = None
+
+
+def _by_the_script(caller: types.FrameType) -> bool:
+    """The touch was made by the script's own code, or by DCP's state-dict functions."""
+    global _INSTALLED
+    filename = os.path.realpath(caller.f_code.co_filename)
+    if _DCP in filename:
+        return True
+    if _INSTALLED is None:
+        _INSTALLED = _installed_prefixes()
+    return not filename.startswith(_INSTALLED)
+
+
+def _under_construction(caller: types.FrameType) -> bool:
+    """Some module's ``__init__`` is running: the model is not complete yet."""
+    frame: types.FrameType | None = caller
+    for _ in range(64):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == "__init__" and isinstance(frame.f_locals.get("self"),
+                                                             nn.Module):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def shard_at_touch(job: Job, sharding: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
+                   module: nn.Module, session: Session, caller: types.FrameType) -> None:
+    """Shard (or split) the model ``module`` belongs to now, if this touch comes before its first
+    forward; else nothing."""
+    if _records.module_record(module) is not None or getattr(_busy, "on", False):
+        return
+    if not _by_the_script(caller) or _under_construction(caller):
+        return
+    root = _root_of(module)
+    if (_records.module_record(root) is not None
+            or isinstance(root, nn.parallel.DistributedDataParallel)
+            or _adopt.managed_elsewhere(root)):  # the user's own engine (DataParallel too)
+        return
+    tensors = [*root.parameters(), *root.buffers()]
+    if not tensors or any(t.is_meta for t in tensors):
+        return  # nothing to shard, or built on meta: its first forward gives it values
+    if job.world_size > 1 and _state.rank_only() is not None:
+        return  # sharding is collective: the first forward on every rank does it
+    _busy.on = True
+    try:
+        if tensor is not None:
+            _tensor_parallel.prepare(job, root, True, tensor, sharding, session)
+        elif sharding is not None:
+            _fsdp.prepare(job, root, True, sharding, session)
+    finally:
+        _busy.on = False
