@@ -44,10 +44,10 @@ class Transformer(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(VOCAB, DIM)
         self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.norm = nn.LayerNorm(DIM)
-        self.out = nn.Linear(DIM, VOCAB, bias=False)
         # counted inside __init__, as nanoGPT does: the model is not complete yet
         self.size = sum(p.numel() for p in self.parameters())
+        self.norm = nn.LayerNorm(DIM)
+        self.out = nn.Linear(DIM, VOCAB, bias=False)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok(idx)
