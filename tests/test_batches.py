@@ -91,3 +91,20 @@ def test_a_random_order_is_drawn_without_a_python_resume_per_index() -> None:
     big = BatchSampler(RandomSampler(range(20_000)), 32, False)
     assert _python_calls(lambda: list(iter(big))) > 20_000
     assert _python_calls(lambda: list(batches(big))) < len(big) + 50  # one resume per batch
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_a_sampler_of_any_length_is_drawn_as_its_batches_are_asked_for(replacement: bool) -> None:
+    from itertools import islice
+
+    from .workers.mingpt import lists_drawn_at_most
+
+    # minGPT's RandomSampler(replacement=True, num_samples=int(1e10)): never taken whole
+    huge = BatchSampler(RandomSampler(DATA, replacement=replacement, num_samples=int(1e10)), 8,
+                        False)
+    torch.manual_seed(3)
+    expected = list(islice(iter(huge), 30))  # 240 indices: 8 lists of 32, or 3 permutations
+    torch.manual_seed(3)
+    with lists_drawn_at_most(8):
+        got = list(islice(batches(huge), 30))
+    assert got == expected

@@ -188,6 +188,28 @@ def test_a_helper_thread_sees_its_ranks_real_coordinates(ranks):
         assert seen["upload"] == ("uploaded" if rank == 0 else None)
 
 
+# ---- 9. minGPT's trainer: a sampler of int(1e10) indices, next(data_iter) -----------------------
+def test_mingpts_trainer_trains_each_rank_on_its_rounds_of_the_one_stream(ranks):
+    # each rank takes its batch of each round of W (the sampler's order taken as it goes: the
+    # worker fails if more is drawn than the steps need), and DDP keeps the replicas equal
+    world, results = ranks
+    for rank, result in enumerate(results):
+        part = result["mingpt"]
+        assert "error" not in part, part.get("error")
+        assert part["rank"]["batches"] == part["stream"]["batches"][rank::world], f"rank {rank}"
+        assert _equal(part["rank"]["weights"], results[0]["mingpt"]["rank"]["weights"])
+
+
+def test_mingpts_trainer_in_one_process_takes_the_order_as_it_goes():
+    from .workers import mingpt
+
+    plain = mingpt.train(12)
+    with distributed():
+        migrated = mingpt.train(12)  # the order of int(1e10) indices was taken whole here
+    assert migrated["batches"] == plain["batches"]
+    assert _equal(migrated["weights"], plain["weights"])
+
+
 @pytest.mark.parametrize(("n", "size", "world", "said"), [
     (2500, 1000, 2, "rank 0: 1500 samples, rank 1: 2000 samples"),  # batch 0 again on rank 1
     (500, 1000, 2, "rank 0: 500 samples, rank 1: 500 samples"),  # one batch: a repeat

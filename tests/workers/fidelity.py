@@ -36,6 +36,7 @@ from accel_ctx import (
     state,
 )
 
+from . import mingpt as _mingpt
 from .common import by_hand
 
 
@@ -368,10 +369,20 @@ def dropped_models() -> dict[str, Any]:
                 "second_kept": built[1]() is not None}
 
 
+# ---- 9. minGPT's trainer: RandomSampler(replacement=True, num_samples=int(1e10)) ----------------
+def mingpt() -> dict[str, Any]:
+    world, steps = int(os.environ["WORLD_SIZE"]), 6
+    # one process's stream, as many steps as all ranks take together (no group: plain torch)
+    out = {"stream": _mingpt.train(world * steps)}
+    with distributed():  # the one line the migration adds
+        out["rank"] = _mingpt.train(steps, world)
+    return out
+
+
 def run_all() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section in (tutorial, rank_seeds, saving, dropped_models, ddp_controls, evaluation,
-                    identical_inputs, helper_thread):
+                    identical_inputs, helper_thread, mingpt):
         try:
             out[section.__name__] = section()
         except Exception:  # one section's failure fails its tests only
