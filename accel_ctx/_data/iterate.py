@@ -27,6 +27,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._core import state as _state
 from .._core.session import Session
 from .._distributed.progress import here
+from .._warn import warn_user
 from . import eval_passes as _eval_passes
 from . import order as _data_order
 from . import records as _records
@@ -105,6 +106,8 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         # that pass was not an epoch: this one is the epoch it began, from the same position
         record.epoch -= 1
         record.resume_skip, record.resume_rng, record.skip_batches = previous.resume
+    if double_skip(record, record.skip_batches):  # a position load_state applied just now
+        record.skip_batches = 0
     iterable = isinstance(loader.dataset, IterableDataset)
     skip, resume_rng = record.resume_skip, record.resume_rng
     this_pass = _records.LoaderPass(session, (skip, resume_rng, record.skip_batches))
@@ -153,6 +156,22 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         this_pass.where = here()
     record.last_pass = this_pass
     return it
+
+
+def double_skip(record: _records.LoaderRecord, batches: int) -> bool:
+    """``skip_first_batches(loader, batches)`` on a loader whose position a checkpoint restored
+    (Accelerate's resume: ``load_state``, then skip the batches seen) would skip them twice, the
+    restored position skipping them already: it is dropped, with a warning (rank 0)."""
+    if not (batches and record.resume_skip):
+        return False
+    if _state.coordinates().rank == 0:
+        warn_user(
+            f"skip_first_batches(loader, {batches}) ignored: load_state() (or "
+            "load_loader_state()) already restored this loader's position, "
+            f"{record.resume_skip} batches into its epoch (all ranks together), and its next "
+            f"iteration resumes there; skipping {batches} more would drop batches of the epoch "
+            "without training on them. Fix: drop the skip_first_batches() call after load_state().")
+    return True
 
 
 def _was_a_peek(previous: _records.LoaderPass, session: Session) -> bool:

@@ -216,7 +216,10 @@ def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]
     have. The order is the one the epoch draws now: restore your random states first (or use
     :func:`loader_state`, which keeps them) for the exact batches of the interrupted run. It
     takes effect at the loader's next iteration inside a scope, once; the loader itself is
-    returned, so ``for x in skip_first_batches(loader, n)`` reads naturally.
+    returned, so ``for x in skip_first_batches(loader, n)`` reads naturally. After
+    ``load_state`` (or :func:`load_loader_state`) restored the loader's position mid-epoch, the
+    call is ignored with a warning: that position already skips the batches seen (a script moved
+    from Accelerate that keeps both calls would otherwise skip them twice).
 
     Examples:
         >>> from torch.utils.data import DataLoader
@@ -239,6 +242,8 @@ def skip_first_batches(loader: DataLoader[Any], batches: int) -> DataLoader[Any]
         )
     stack = _state.current()
     record = _records.peek_loader_record(loader)
+    if record is not None and _data.double_skip(record, batches):
+        return loader  # the restored position skips them: skipping again would lose them
     pending = record.resume_skip if record is not None else 0
     iterable = isinstance(loader.dataset, IterableDataset)
     check_skip(batches, _data._total(loader, iterable), _data.plan_for(loader, stack, pending))
