@@ -23,6 +23,7 @@ from accel_ctx import (
     mixed_precision,
     save_model,
     save_state,
+    skip_first_batches,
     state,
 )
 from accel_ctx._checkpoint import model as model_file
@@ -331,6 +332,72 @@ def test_a_checkpoint_saved_before_the_loader_is_iterated_again_keeps_its_positi
     _, rest = session(None)
     assert epoch == load_state(tmp_path).epoch > 0
     assert first + rest == full
+
+
+class _Seen(Dataset[int]):
+    """24 samples (12 batches of 2), noting each index loaded."""
+
+    def __init__(self) -> None:
+        self.loaded: list[int] = []
+
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> int:
+        self.loaded.append(i)
+        return i
+
+
+@pytest.mark.parametrize("by_name", [False, True])
+def test_accelerates_resume_that_also_skips_the_seen_batches_skips_them_once(tmp_path, by_name):
+    """Accelerate's checkpointing example, moved with its calls mapped one to one: load_state,
+    then skip_first_batches(loader, resume_step). load_state already restored the position, so
+    the second skip is ignored with a warning, and the run trains on every batch exactly once."""
+    checkpointing_steps = 5
+
+    def main(resume: bool, stop_at: int | None) -> list[int]:
+        with distributed():
+            torch.manual_seed(42)
+            data = _Seen()
+            model = nn.Linear(1, 1)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            train_dataloader = DataLoader(data, batch_size=2, shuffle=True)
+            overall_step, starting_epoch, resume_step = 0, 0, None
+            loaders = {"train": train_dataloader} if by_name else {}
+            if resume:
+                load_state(tmp_path, model=model, optimizer=opt, **loaders)
+                path = sorted(tmp_path.glob("ckpt-*"))[-1].name  # the step is in the folder's name
+                resume_step = int(path.split("-step")[1])
+                starting_epoch = resume_step // len(train_dataloader)
+                resume_step -= starting_epoch * len(train_dataloader)
+            for epoch in range(starting_epoch, 2):
+                if resume and epoch == starting_epoch and resume_step is not None:
+                    active_dataloader = skip_first_batches(train_dataloader, resume_step)
+                    overall_step += resume_step
+                else:
+                    active_dataloader = train_dataloader
+                for batch in active_dataloader:
+                    loss = model(batch.float().view(-1, 1)).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    overall_step += 1
+                    if overall_step % checkpointing_steps == 0:
+                        save_state(tmp_path, model=model, optimizer=opt, **loaders)
+                    if overall_step == stop_at:
+                        return data.loaded
+            return data.loaded
+
+    full = main(False, None)
+    first = main(False, checkpointing_steps)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rest = main(True, None)
+    assert first + rest == full  # 24 batches: none lost, none twice
+    said = [w for w in caught if "skip_first_batches(loader, 5) ignored" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]
+    assert "drop the skip_first_batches() call" in str(said[0].message)
+    assert said[0].filename == __file__  # at the user's line
 
 
 # ---- save_model ----------------------------------------------------------------------------------
