@@ -127,9 +127,9 @@ def _shares(loader: Any, pending: EvalPass) -> str:
     for rank in range(world):
         batches = ShardPlan(rank, world, plan.even, plan.skip, plan.drop).share(total)
         if size and n is not None:
-            real = [b for b in range(plan.skip, total) if (b - plan.skip) % world == rank]
-            real = real[:batches]
-            count = sum(samples(b) for b in real)
+            # a range, not a list: a sampler may be of any length (num_samples=int(1e10))
+            real = range(plan.skip + rank, total, world)[:batches]
+            count = size * len(real) + (samples(total - 1) - size if total - 1 in real else 0)
             if len(real) < batches and remaining:  # padding: a batch of the first round again
                 first_round = min(world, remaining)
                 count += samples(plan.skip + (rank - remaining % world) % first_round)
