@@ -171,6 +171,16 @@ def test_gather_for_metrics_counts_each_sample_once_not_once_per_tp_rank(four):
         assert result["sharded"]["evaluated"] == once
 
 
+def test_reduce_and_gather_after_an_evaluation_count_each_sample_once_under_tp(four):
+    # issue 38: the evaluation warning advises reduce(); summed over all 4 ranks it said 16
+    once = w.train("plain", BATCH * 2)
+    assert once["counted"] == 8 and len(once["gathered"]) == 8
+    for result in four:
+        assert result["sharded"]["counted"] == 8
+        assert result["sharded"]["gathered"] == once["gathered"]
+        assert result["sharded"]["wide"] == 64.0  # a mean over the 2 data-parallel groups
+
+
 def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
     for result in four:
         said = result["misuse"]

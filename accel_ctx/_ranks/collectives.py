@@ -102,6 +102,11 @@ def gather(tensors: T) -> T:
     same for every number of processes: in one process a tensor with rows and a batch come
     back as they are, a 0-dim tensor as one row and a bare value as a list of one.
 
+    Under tensor parallelism (``tp=``) the ranks of one tensor-parallel group evaluate the same
+    batch, so each data-parallel group's rows come once, from its tp rank 0: per-sample results
+    gathered (or counts summed with :func:`reduce`) count each sample once, as
+    :func:`gather_for_metrics` does. :func:`gather_object` stays one entry per rank.
+
     When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
     naming each rank's shapes, before any data moves: the check rides in the exchange of first
     dimensions that gather makes anyway (one small all_gather, then one per tensor; Python data
@@ -122,12 +127,16 @@ def gather(tensors: T) -> T:
     d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(job))
     _debug.check(job, "gather()", d.tensors, free_dim=0)
     heads = exchange(job, d, "gather()", 0, meta_device(job), _ADVICE)
-    gathered = [gather_tensor(job, t, [r[i] for r in heads.free])
+    # the tp ranks of one data-parallel group hold the same batch: its tp rank 0 speaks for it
+    tp = job.coordinates.tp_size
+    keep = [r % tp == 0 for r in range(job.world_size)] if tp > 1 else None
+    gathered = [gather_tensor(job, t, [r[i] for r in heads.free], keep)
                 for i, t in enumerate(d.tensors)]
     if heads.skeletons is None:
         done = iter(gathered)
         return map_tensors(tensors, lambda _: next(done))  # type: ignore[no-any-return]
-    return merge(heads.skeletons, gathered)  # type: ignore[no-any-return]
+    skeletons = heads.skeletons if keep is None else heads.skeletons[::tp]
+    return merge(skeletons, gathered)  # type: ignore[no-any-return]
 
 
 def _one_rank(obj: Any) -> Any:
@@ -194,7 +203,10 @@ def reduce(tensors: T, op: ReduceOp = "sum") -> T:
     structure, shapes and dtypes on every rank; every rank gets the result as new tensors (the
     inputs are left untouched; Python numbers come back as numbers of their type, a mean as a
     float). The mean of integer tensors is a floating-point tensor. In a single process the
-    input itself is returned.
+    input itself is returned. Under tensor parallelism (``tp=``) the ranks of one
+    tensor-parallel group work on the same batch, so each data-parallel group is counted once
+    (its tp rank 0's values; a mean divides by ``dp_size``): per-sample counts summed after an
+    evaluation count each sample once.
 
     When the ranks' inputs do not fit together, every rank raises :class:`DistributedError`
     naming each rank's shapes and none gets a value: the check travels in the header every

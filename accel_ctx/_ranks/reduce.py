@@ -15,6 +15,11 @@ all_reduces after the header.
 Sums of floating-point values are exact and rounded once to the tensor's dtype (``math.fsum``:
 never less exact than summing in that dtype, and the same bits on every machine); integer sums
 are computed in int64, as torch's own all_reduce of an int64 tensor does.
+
+Under tensor parallelism the ranks of one tp group evaluate the same batch, so a sum of
+per-sample counts over every rank would count each sample ``tp_size`` times: each
+data-parallel group is counted once, by its tp rank 0 (``counted``), the others taking part
+with the operation's identity. Every rank still gets the same result.
 """
 
 from __future__ import annotations
@@ -46,13 +51,31 @@ def reduce_tensors(job: Job, described: Described, op: str, device: torch.device
     rows = header(job, described, device, advice, inline=values)
     if not inline:
         return _native(job, leaves, op)
-    data = torch.tensor([row[FIXED:FIXED + numel] for row in rows], dtype=torch.int64)
+    tp = job.coordinates.tp_size
+    data = torch.tensor([row[FIXED:FIXED + numel] for r, row in enumerate(rows) if r % tp == 0],
+                        dtype=torch.int64)
     results, offset = [], 0
     for t in leaves:
         part = data[:, offset:offset + t.numel()]
         offset += t.numel()
-        results.append(_combine(part, t, op, job.world_size))
+        results.append(_combine(part, t, op, len(data)))
     return results
+
+
+def counted(job: Job) -> bool:
+    """Whether this rank's values count: one rank per data-parallel group (its tp rank 0)."""
+    return job.coordinates.tp_rank == 0
+
+
+def _identity(t: torch.Tensor, op: str) -> torch.Tensor:
+    """What a rank that does not count contributes: nothing changes the result."""
+    if op in ("sum", "mean"):
+        return torch.zeros_like(t)
+    if t.dtype == torch.bool:
+        return torch.full_like(t, op == "min")
+    big = math.inf if t.dtype.is_floating_point else torch.iinfo(t.dtype).max
+    low = -math.inf if t.dtype.is_floating_point else torch.iinfo(t.dtype).min
+    return torch.full_like(t, low if op == "max" else big)
 
 
 def _as_int64(flat: torch.Tensor) -> torch.Tensor:
@@ -91,9 +114,11 @@ def _native(job: Job, leaves: list[torch.Tensor], op: str) -> list[torch.Tensor]
     for group in groups.values():
         device = job.comm_device(leaves[group[0]].device)
         flat = torch.cat([leaves[i].detach().reshape(-1).to(device) for i in group])
+        if not counted(job):
+            flat = _identity(flat, op)
         dist.all_reduce(flat, _OPS[op])
         if op == "mean":
-            flat = flat / job.world_size
+            flat = flat / job.coordinates.dp_size
         sizes = [leaves[i].numel() for i in group]
         for i, part in zip(group, torch.split(flat, sizes), strict=True):
             results[i] = part.view(leaves[i].shape).to(leaves[i].device)

@@ -26,9 +26,11 @@ from accel_ctx import (
     accumulate,
     clip_grad_norm_,
     distributed,
+    gather,
     gather_for_metrics,
     load_state,
     mixed_precision,
+    reduce,
     save_model,
     save_state,
     sharded,
@@ -190,14 +192,20 @@ def train(kind: str, batch: int, *, epochs: int = 1, k: int = 1, clip: float | N
                     clip_grad_norm_(model.parameters(), clip)
                 opt.step()
                 opt.zero_grad()
-        evaluated = []
+        evaluated, firsts, counted = [], [], 0
         with torch.no_grad():  # gather_for_metrics: each sample once, not once per TP rank
             for x, _ in DataLoader(tokens(10), batch_size=batch):
                 evaluated += gather_for_metrics(x[:, 0]).tolist()
+            for x, _ in DataLoader(tokens(8), batch_size=batch):  # whole rounds: no padding
+                firsts += gather(x[:, 0]).tolist()
+                counted += len(x)
+        counted = reduce(torch.tensor(counted)).item()  # what the evaluation warning advises
+        wide = reduce(torch.ones(64), "mean").sum().item()  # past the header: an all_reduce
         where = state()
         if save is not None:
             save_model(model, save)
         return {"weights": full_weights(model), "seen": seen, "evaluated": evaluated,
+                "gathered": firsts, "counted": counted, "wide": wide,
                 "where": {k: getattr(where, k) for k in
                           ("rank", "world_size", "dp_rank", "dp_size", "tp_rank", "tp_size")},
                 "tied": model.wte.weight is model.lm_head.weight, "computed": sorted(computed),
