@@ -166,6 +166,26 @@ def test_counts_reduced_over_padded_evaluations_are_warned_about_and_exact_witho
             assert row[combine]["warnings"] == []
 
 
+def test_the_mnist_examples_last_evaluation_in_main_is_warned_about_at_the_jobs_end(ranks):
+    # issue 38: with its loaders local to main() and test() the last loop, nothing was said
+    world, results = ranks
+    rows = [r["evaluation_shapes"] for r in results]
+    assert len(rows[0]["mnist_last"]) == 1, rows[0]
+    text = rows[0]["mnist_last"][0]
+    assert "TensorDataset (2500 samples in batches of 1000" in text
+    assert f"each of the {world} processes" in text and "gather_for_metrics" in text
+    assert rows[0]["mnist_raises"] == []  # left by an exception: no verdict
+    assert all(row["mnist_last"] == [] for row in rows[1:])  # rank 0 only
+
+
+def test_results_combined_through_files_or_a_users_own_group_are_not_warned_about(ranks):
+    # issue 38: per-rank prediction files merged after wait_for_everyone(), and counts
+    # all-reduced on the script's own new_group, were told they describe one rank's share
+    _, results = ranks
+    for row in (r["evaluation_shapes"] for r in results):
+        assert row["files"] == [] and row["new_group"] == []
+
+
 # ---- 6. batches made without a DataLoader -------------------------------------------------------------
 def test_identical_batches_on_every_rank_are_warned_about_once(ranks):
     _, results = ranks
@@ -175,6 +195,14 @@ def test_identical_batches_on_every_rank_are_warned_about_once(ranks):
     assert "state().rank" in first["same_seed"][0]
     assert first["per_rank_seed"] == [] and first["loader"] == []
     assert all(r["identical_inputs"]["same_seed"] == [] for r in results[1:])
+
+
+def test_shared_inputs_with_per_rank_targets_or_one_warm_up_step_are_not_the_same_inputs(ranks):
+    # issue 38: both were told the ranks train identical copies
+    _, results = ranks
+    for r in results:
+        assert r["identical_inputs"]["per_rank_targets"] == []
+        assert r["identical_inputs"]["warm_up"] == []
 
 
 # ---- 7. helper threads ---------------------------------------------------------------------------
@@ -223,5 +251,6 @@ def test_the_evaluation_warning_says_what_each_rank_saw(n, size, world, said):
     from accel_ctx._data.shard import ShardPlan
 
     loader = DataLoader(list(range(n)), batch_size=size)
-    pending = _eval_passes.EvalPass(lambda: loader, "", ShardPlan(0, world), len(loader), 0, 0)
-    assert _eval_passes._shares(loader, pending) == said
+    pending = _eval_passes.EvalPass(lambda: loader, _eval_passes.Loader.of(loader), "",
+                                    ShardPlan(0, world), len(loader), 0, 0)
+    assert _eval_passes._shares(pending) == said

@@ -7,14 +7,23 @@ repeated batches, so counts summed over the ranks with ``reduce`` are too high i
 
 A *pass* is one ``iter(loader)`` of a loader accel_ctx shards over several ranks. A pass that
 ran to its end without a backward in it, iterated with gradients off or with a model called
-without them inside, is an evaluation. Whether its results met the other
-ranks is read from the process group's collective count (every ``gather_for_metrics``,
-``gather``, ``reduce``, ``dist.all_reduce`` ... moves it): taken when the pass starts and ends,
-and read again when training goes on (a backward, a training loop's ``iter()``) or the job
-ends. Nothing since the pass started: rank 0 warns once per loader that its numbers describe
+without them inside, is an evaluation. Whether its results met the other ranks is read from
+the collective counts of the process groups (every ``gather_for_metrics``, ``gather``,
+``reduce``, ``dist.all_reduce`` ... on the default group or a user's own ``new_group`` moves
+them; the engines' own meshes do not count) and from ``wait_for_everyone()`` calls (a script
+that writes each rank's results to its own file needs one before it reads them together):
+taken when the pass starts and ends, and read again when training goes on (a backward, a
+training loop's ``iter()``) or the job ends without an exception (the evaluation was its last
+loop). Nothing since the pass started: rank 0 warns once per loader that its numbers describe
 this rank's share. Padding repeated in the pass but results combined without
 ``gather_for_metrics`` (which drops the repeats): rank 0 warns once that sums count them twice.
-All of it happens at a pass's start and end and at the verdict, never per batch.
+What the warning says of the loader is kept at the pass's end, not the loader: one made inline
+or local to ``main()`` is gone by the verdict. The verdict reads only this rank's counts, so the
+job's end judges without waiting for any other rank. All of it happens at a pass's start and
+end and at the verdict, never per batch.
+
+A loop that writes each rank's predictions to its own file and never reads them together looks
+like one that counts its share: its warning says so and how to tell them apart.
 """
 
 from __future__ import annotations
@@ -30,23 +39,56 @@ from .._warn import warn_user
 from .shard import ShardPlan
 
 
-def collectives_so_far() -> int | None:
-    """Collectives this process has run on the default group (None: not countable)."""
+def collectives_so_far(job: Job) -> int | None:
+    """The times this process's results could have met the other ranks' (None: not countable):
+    collectives on any process group but the engines' own meshes (a user's ``new_group``
+    counts), and ``wait_for_everyone()`` calls (the sync a script needs before reading the
+    files other ranks wrote)."""
     if not dist.is_initialized():
         return None
     try:
-        group = dist.distributed_c10d._get_default_group()
-        count = getattr(group, "_get_sequence_number_for_group", None)
-        return int(count()) if count is not None else None
+        default = dist.distributed_c10d._get_default_group()
+        engines = {id(g) for g in job.mesh_groups()} - {id(default)}
+        total = job.root.waits
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if id(group) in engines:
+                continue  # an engine's all-gathers in a sharded forward combine no results
+            count = getattr(group, "_get_sequence_number_for_group", None)
+            if count is None and group is default:
+                return None
+            total += int(count()) if count is not None else 0
+        return total
     except RuntimeError:
         return None
+
+
+@dataclass(frozen=True)
+class Loader:
+    """What the warning says of a loader, kept instead of the loader: a loader made inline or
+    local to a function is gone by the time the verdict is due (the job's end, often)."""
+
+    dataset: str  # its class name
+    samples: int | None  # len(dataset)
+    batch_size: int | None
+
+    @classmethod
+    def of(cls, loader: Any) -> Loader:
+        dataset = getattr(loader, "dataset", None)
+        try:
+            samples: int | None = len(dataset)  # type: ignore[arg-type]
+        except (TypeError, NotImplementedError):
+            samples = None
+        size = getattr(loader, "batch_size", None)
+        return cls(type(dataset).__name__ if dataset is not None else "data", samples,
+                   size if isinstance(size, int) else None)
 
 
 @dataclass
 class EvalPass:
     """One evaluation pass of a sharded loader, waiting for the verdict."""
 
-    loader: weakref.ref[Any]
+    loader: weakref.ref[Any]  # only to say each loader once: the words come from ``facts``
+    facts: Loader
     where: str  # the user's line of the loop
     plan: ShardPlan
     total: int | None  # global batches in the epoch
@@ -61,28 +103,39 @@ def pass_ended(job: Job, loader: Any, where: str, plan: ShardPlan, total: int | 
     verdict(root)  # an earlier pass is judged first
     if plan.world == 1 or collectives_at_start is None or loader in root.eval_warned:
         return
-    root.pending_eval = EvalPass(weakref.ref(loader), where, plan, total,
+    root.pending_eval = EvalPass(weakref.ref(loader), Loader.of(loader), where, plan, total,
                                  collectives_at_start, metric_gathers)
 
 
 def verdict(job: Job) -> None:
-    """Training goes on, or the job ends: warn about the pending evaluation pass, if it needs it."""
+    """Training goes on, or the job ends: warn about the pending evaluation pass, if it needs it.
+
+    Local to each rank (its own collective count; rank 0 speaks), so the job's end may judge
+    too without waiting for any other rank."""
     root = job.root
     pending = root.pending_eval
     if pending is None:
         return
     root.pending_eval = None
-    loader = pending.loader()
-    now = collectives_so_far()
-    if loader is None or now is None or job.rank != 0:
+    now = collectives_so_far(job)
+    if now is None or job.rank != 0:
         return
     padded = _padded_batches(pending.plan, pending.total)
     if now == pending.collectives_at_start:
-        root.eval_warned.add(loader)
-        warn_user(_never_combined(loader, pending, padded), RuntimeWarning)
+        text = _never_combined(pending, padded)
     elif padded and pending.metric_gathers == 0:
+        text = _padding_counted(pending, padded)
+    else:
+        return
+    loader = pending.loader()
+    if loader is not None:
         root.eval_warned.add(loader)
-        warn_user(_padding_counted(loader, pending, padded), RuntimeWarning)
+    warn_user(text, RuntimeWarning)
+
+
+def drop(job: Job) -> None:
+    """The job ends by an exception: no verdict on a pass that may not have been its last."""
+    job.root.pending_eval = None
 
 
 def _padded_batches(plan: ShardPlan, total: int | None) -> int:
@@ -93,33 +146,24 @@ def _padded_batches(plan: ShardPlan, total: int | None) -> int:
     return -remaining % plan.world if remaining else 0
 
 
-def _describe(loader: Any, pending: EvalPass) -> str:
-    dataset = getattr(loader, "dataset", None)
-    name = type(dataset).__name__ if dataset is not None else "data"
-    try:
-        samples = f"{len(dataset)} samples"  # type: ignore[arg-type]
-    except TypeError:
-        samples = "samples"
-    size = getattr(loader, "batch_size", None)
-    batches = f" in batches of {size}" if size else ""
+def _describe(pending: EvalPass) -> str:
+    facts = pending.facts
+    samples = f"{facts.samples} samples" if facts.samples is not None else "samples"
+    batches = f" in batches of {facts.batch_size}" if facts.batch_size else ""
     where = f", the loop at {pending.where}" if pending.where else ""
-    return f"the DataLoader over {name} ({samples}{batches}{where})"
+    return f"the DataLoader over {facts.dataset} ({samples}{batches}{where})"
 
 
-def _shares(loader: Any, pending: EvalPass) -> str:
+def _shares(pending: EvalPass) -> str:
     """'rank 0: 1000 samples, rank 1: 1000' (batches when sample counts are unknown)."""
     plan, total = pending.plan, pending.total
     if total is None:
         return "each rank its own batches"
     world = plan.world
-    size = getattr(loader, "batch_size", None)
-    try:
-        n: int | None = len(loader.dataset)
-    except TypeError:
-        n = None
+    size, n = pending.facts.batch_size, pending.facts.samples
 
     def samples(batch: int) -> int:  # the epoch's last batch may be short
-        assert isinstance(size, int) and n is not None
+        assert size is not None and n is not None
         return n - size * (total - 1) if batch == total - 1 else size
 
     parts = []
@@ -139,28 +183,30 @@ def _shares(loader: Any, pending: EvalPass) -> str:
     return ", ".join(parts)
 
 
-def _never_combined(loader: Any, pending: EvalPass, padded: int) -> str:
+def _never_combined(pending: EvalPass, padded: int) -> str:
     world = pending.plan.world
     repeat = (f" (the last round repeated {padded} batch{'es' if padded > 1 else ''} so that "
               "every rank has as many)") if padded else ""
     return (
-        f"an evaluation over {_describe(loader, pending)} ran without gradients on each of the "
-        f"{world} processes with its own share of the samples ({_shares(loader, pending)})"
+        f"an evaluation over {_describe(pending)} ran without gradients on each of the "
+        f"{world} processes with its own share of the samples ({_shares(pending)})"
         f"{repeat}, and nothing combined its results across the ranks: sums, counts and "
         "averages computed from this loop describe the samples this rank saw, not the data "
         "set. Fix: gather each batch's outputs with "
         "gather_for_metrics(...) (every sample exactly once), or, with "
         "distributed(even_batches=False), sum your counts across ranks with reduce(...) after "
         "the loop; to evaluate everything on every rank instead, run the loop outside "
-        "distributed()."
+        "distributed(). (A loop that writes each rank's results to a file of its own is right "
+        "as it is: call wait_for_everyone() before reading the files together, which also "
+        "tells accel_ctx they meet.)"
     )
 
 
-def _padding_counted(loader: Any, pending: EvalPass, padded: int) -> str:
-    size = getattr(loader, "batch_size", None)
+def _padding_counted(pending: EvalPass, padded: int) -> str:
+    size = pending.facts.batch_size
     samples = f" ({padded * size} samples)" if size else ""
     return (
-        f"an evaluation over {_describe(loader, pending)} was combined across the ranks, but "
+        f"an evaluation over {_describe(pending)} was combined across the ranks, but "
         f"its last round repeated {padded} batch{'es' if padded > 1 else ''}{samples} from the "
         "epoch's start so that every rank has as many (distributed(even_batches=True), the "
         "default): counts and sums reduced over the ranks include them twice. Fix: gather each "

@@ -150,7 +150,7 @@ def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -
         record.epoch_start_rng = _rng_snapshot(loader) if resume_rng is None else resume_rng
         it = build()
     if job is not None and plan.world > 1:  # an evaluation pass would be judged (_eval_passes)
-        this_pass.collectives_start = _eval_passes.collectives_so_far()
+        this_pass.collectives_start = _eval_passes.collectives_so_far(job)
         this_pass.metric_gathers_start = job.root.metric_gathers
         this_pass.no_grad = True if not torch.is_grad_enabled() else job.root.no_grad_forwards
         this_pass.where = here()

@@ -9,6 +9,7 @@ next wait fail at once, naming this rank.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 
@@ -99,9 +100,25 @@ def start_job(options: DistributedOptions, exits: ExitStack) -> Job:
     open_process_job(job)
     exits.callback(close_process_job, job)
     exits.callback(release_all, job)
-    exits.callback(_eval_passes.verdict, job)  # a last evaluation pass, while the group is up
+    exits.push(_last_verdict(job))  # a last evaluation pass, while the group is up
     _watch(job, exits)
     return job
+
+
+def _last_verdict(job: Job) -> Callable[..., bool]:
+    """The verdict on an evaluation that was the job's last loop (``_data.eval_passes``), when
+    the scope exits normally: local to each rank, it needs no other rank. Leaving by an
+    exception, the loop may not have been meant as the last: nothing said."""
+
+    def judge(exc_type: type[BaseException] | None, exc: BaseException | None,
+              tb: object) -> bool:
+        if exc is None:
+            _eval_passes.verdict(job)
+        else:
+            _eval_passes.drop(job)
+        return False
+
+    return judge
 
 
 def _store_key(launch: _env.LaunchEnv, options: DistributedOptions) -> tuple[str, int, int]:

@@ -43,7 +43,9 @@ class Adoption:
         "inputs_checked",
         "modules",
         "parts_checked",
+        "pending_inputs",
         "replaced",
+        "same_inputs",
         "undo_batchnorm",
         "uneven_tail",
         "warned_batchnorm",
@@ -61,8 +63,11 @@ class Adoption:
         # forward gets in an uneven last round that no Join covers (even_batches=False)
         self.forwards = 0
         self.uneven_tail: str | None = None
-        # the ranks compared their first training inputs (_replica_inputs)
+        # the ranks compared their first training inputs (_replica_inputs): done, the steps
+        # in a row that were the same on every rank, and this step's forwards, not yet compared
         self.inputs_checked = False
+        self.same_inputs = 0
+        self.pending_inputs: tuple[bool, int] | None = None
 
 
 class Job:
@@ -98,6 +103,7 @@ class Job:
         self.pending_eval: Any = None
         self.eval_warned: weakref.WeakSet[Any] = weakref.WeakSet()
         self.metric_gathers = 0
+        self.waits = 0  # wait_for_everyone() calls: results may meet through files (_eval_passes)
         self.no_grad_forwards = 0  # top-level forwards without gradients (evaluations)
         self._meshes: dict[tuple[str, int], DeviceMesh] = {}
 
@@ -118,6 +124,10 @@ class Job:
     def nested(self, options: DistributedOptions) -> Job:
         """The job of a ``distributed()`` nested in this one's: same group, its own options."""
         return Job(self.launch, self.device, self.backend, options, self.root, self)
+
+    def mesh_groups(self) -> list[Any]:
+        """The process groups of the job's device meshes: the engines' own collectives."""
+        return [g for mesh in self.root._meshes.values() for g in mesh.get_all_groups()]
 
     def _cached_mesh(self, key: tuple[str, int], shape: tuple[int, ...],
                      names: tuple[str, ...]) -> DeviceMesh:

@@ -2,14 +2,22 @@
 
 nanoGPT's ``get_batch`` and the word language model's ``batchify`` make their batches
 themselves; wrapped as they are, every rank trains on the same tensors unless the script
-slices them by rank, so W processes train W identical copies at W times the cost of one. When
-a data-parallel engine trains for the first time in a job, the ranks exchange a fingerprint of
-that forward's inputs once (one small all-gather beside DDP's own start-up broadcast; nothing
-per step) and, if no DataLoader accel_ctx shards fed it and every rank's inputs are equal, rank
-0 warns once, naming the fixes.
+slices them by rank, so W processes train W identical copies at W times the cost of one.
+
+From the job's first training forward through an engine, each forward notes a fingerprint of its
+inputs (and whether a DataLoader accel_ctx shards fed it); at the backward that follows, the
+ranks exchange it with their loss (one small all-gather). The inputs are "the same" only when
+every rank's forward inputs *and* loss are equal: a script that shares its inputs but gives each
+rank its own targets computes different losses. A fixed batch may be a warm-up: rank 0 warns
+once, naming the fixes, only when ``STEPS`` backwards in a row were the same on every rank with
+no sharded loader. The first step that differs, or comes from such a loader, ends the check:
+nothing per step after it.
 """
 
 from __future__ import annotations
+
+import math
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -20,32 +28,51 @@ from .._data import order as _data_order
 from .._distributed.job import Job
 from .._warn import warn_user
 
+STEPS = 3  # backwards in a row on the same inputs before it is said: a warm-up step is not
 
-def check_first_inputs(job: Job, call: ForwardCall, session: Session) -> None:
-    """At the job's first training forward through an engine: warn if every rank got the same
-    inputs from outside any sharded loader."""
+
+def note_inputs(job: Job, call: ForwardCall, session: Session) -> None:
+    """A training forward through an engine while the check runs: note its inputs (local)."""
     adoption = job.adoption
     if adoption.inputs_checked or job.world_size == 1 or not dist.is_initialized():
         return
-    adoption.inputs_checked = True
-    fed = session.active_loader() is not None
-    digest = _data_order.fingerprint((call.args, call.kwargs))
-    mine = torch.tensor([int(fed), digest], dtype=torch.int64,
+    fed, digest = adoption.pending_inputs or (False, 0)
+    fed = fed or session.active_loader() is not None
+    digest = zlib.crc32(digest.to_bytes(4, "little"),
+                        _data_order.fingerprint((call.args, call.kwargs)))
+    adoption.pending_inputs = (fed, digest)
+
+
+def compare_inputs(job: Job, loss: torch.Tensor) -> None:
+    """The backward of noted forwards: the ranks compare their inputs and losses."""
+    adoption = job.adoption
+    fed, digest = adoption.pending_inputs or (False, 0)
+    adoption.pending_inputs = None
+    local = loss.to_local() if hasattr(loss, "to_local") else loss  # a DTensor (loss_parallel)
+    value = float(local.detach().double().sum())  # a sync, for the first few steps only
+    bits = torch.tensor([value], dtype=torch.float64).view(torch.int64)
+    mine = torch.tensor([int(fed), digest, int(bits)], dtype=torch.int64,
                         device=job.comm_device(torch.device("cpu")))
     everyone = [torch.empty_like(mine) for _ in range(job.world_size)]
     dist.all_gather(everyone, mine)
-    rows = [tuple(int(v) for v in t.cpu().tolist()) for t in everyone]
-    if job.rank != 0 or any(fed_by_loader for fed_by_loader, _ in rows):
-        return
-    if len({d for _, d in rows}) == 1:
+    rows = [[int(v) for v in t.cpu().tolist()] for t in everyone]
+    losses = [torch.tensor([r[2]], dtype=torch.int64).view(torch.float64).item() for r in rows]
+    # every rank reads the same rows: they agree on whether the check goes on (its collective)
+    same = (not any(r[0] for r in rows) and len({r[1] for r in rows}) == 1
+            and all(math.isclose(x, losses[0], rel_tol=1e-6, abs_tol=1e-12)
+                    or (math.isnan(x) and math.isnan(losses[0])) for x in losses))
+    adoption.same_inputs = adoption.same_inputs + 1 if same else 0
+    if not same or adoption.same_inputs >= STEPS:
+        adoption.inputs_checked = True
+    if same and adoption.same_inputs >= STEPS and job.rank == 0:
         world = job.world_size
         warn_user(
-            f"every one of the {world} ranks trained its first step on the same inputs, which "
-            "came from no DataLoader that accel_ctx shards (batches made by the script itself): "
-            f"the {world} processes train {world} identical copies of the model at {world} "
-            "times the cost of one. Give each rank its own part of the data: iterate a "
-            "DataLoader inside distributed() (each rank then gets its share), take this rank's "
-            "part with split_between_processes(data), or select by rank (e.g. "
-            "data[state().rank::state().world_size]); for batches drawn at random, seed each "
-            "rank differently (torch.manual_seed(seed + state().rank)).",
+            f"every one of the {world} ranks trained its first {STEPS} steps on the same "
+            "inputs and targets, which came from no DataLoader that accel_ctx shards (batches "
+            f"made by the script itself): the {world} processes train {world} identical "
+            f"copies of the model at {world} times the cost of one. Give each rank its own "
+            "part of the data: iterate a DataLoader inside distributed() (each rank then gets "
+            "its share), take this rank's part with split_between_processes(data), or select "
+            "by rank (e.g. data[state().rank::state().world_size]); for batches drawn at "
+            "random, seed each rank differently (torch.manual_seed(seed + state().rank)).",
             RuntimeWarning)

@@ -37,6 +37,7 @@ def wait_for_everyone() -> None:
     if job is not None and world > 1:
         _blame.refuse_rank_only("wait_for_everyone()", "it")
         _debug.barrier(job, "wait_for_everyone()")
+        job.root.waits += 1  # per-rank results written to files may now be read together
 
 
 @contextlib.contextmanager

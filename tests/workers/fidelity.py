@@ -34,6 +34,7 @@ from accel_ctx import (
     on_main_process,
     reduce,
     state,
+    wait_for_everyone,
 )
 
 from . import mingpt as _mingpt
@@ -296,6 +297,74 @@ def evaluation() -> dict[str, Any]:
     return out
 
 
+# ---- 5b. the MNIST example's shape: loaders local to main(), the evaluation its last loop (#38) --
+def _mnist_main(raise_at_end: bool) -> None:
+    """pytorch/examples' mnist/main.py in small: main() builds everything, test() is last."""
+    model = Perfect()
+    train_loader = DataLoader(_eval_data(), batch_size=500, shuffle=True)
+    test_loader = DataLoader(_eval_data(), batch_size=1000)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    model.train()
+    for data, target in train_loader:
+        optimizer.zero_grad()
+        F.cross_entropy(model(data), target).backward()
+        optimizer.step()
+    correct = _test(model, test_loader, "none")
+    print(f"Accuracy: {correct}/{len(test_loader.dataset)}")  # type: ignore[arg-type]
+    if raise_at_end:
+        raise KeyboardInterrupt  # stopped by hand: the loop may not have been the last
+
+
+def _shared_dir() -> str:
+    """A folder every rank of this spawn sees (the file store's)."""
+    return os.path.dirname(os.environ["ACCEL_CTX_INIT_METHOD"].removeprefix("file://"))
+
+
+def _evaluate_and_combine(how: str) -> DataLoader[Any]:
+    """Evaluation scripts that combine their results their own way, the job's last loop."""
+    model = Perfect()
+    loader = DataLoader(_eval_data(), batch_size=420)  # 6 batches: whole rounds on 2 or 3 ranks
+    model.eval()
+    if how == "files":  # sharded inference: each rank writes its predictions, rank 0 merges
+        path = os.path.join(_shared_dir(), f"predictions-{state().rank}.txt")
+        with open(path, "w") as out, torch.no_grad():
+            for data, _ in loader:
+                out.writelines(f"{p}\n" for p in model(data).argmax(dim=1).tolist())
+        wait_for_everyone()
+        if state().is_main_process:
+            lines = []
+            for r in range(state().world_size):
+                with open(os.path.join(_shared_dir(), f"predictions-{r}.txt")) as part:
+                    lines += part.readlines()
+            print(f"{len(lines)} predictions")
+    else:  # counts all-reduced on the script's own group
+        group = dist.new_group(list(range(dist.get_world_size())))
+        correct = torch.tensor(0)
+        with torch.no_grad():
+            for data, target in loader:
+                correct += (model(data).argmax(dim=1) == target).sum()
+        dist.all_reduce(correct, group=group)
+        print(f"Accuracy: {int(correct)}/{len(loader.dataset)}")  # type: ignore[arg-type]
+    return loader
+
+
+def evaluation_shapes() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in ("mnist_last", "mnist_raises", "files", "new_group"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with distributed():
+                    if case.startswith("mnist"):
+                        _mnist_main(case == "mnist_raises")
+                    else:  # written at module level: the loader lives to the job's end
+                        loader = _evaluate_and_combine(case)  # noqa: F841
+            except KeyboardInterrupt:
+                pass
+        out[case] = [str(w.message) for w in caught if "an evaluation" in str(w.message)]
+    return out
+
+
 # ---- 6. batches made without a DataLoader ----------------------------------------------------------
 def _get_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """nanoGPT's get_batch: random windows of one long token stream."""
@@ -308,18 +377,25 @@ def _get_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def identical_inputs() -> dict[str, Any]:
     out = {}
-    for case in ("same_seed", "per_rank_seed", "loader"):
+    for case in ("same_seed", "per_rank_seed", "loader", "per_rank_targets", "warm_up"):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with distributed():
                 model = _linear()
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
-                if case == "loader":
+                if case in ("loader", "warm_up"):
                     x_all, y_all = _get_batch(0)
                     batches = DataLoader(TensorDataset(x_all, y_all), batch_size=2)
+                elif case == "per_rank_targets":  # shared inputs, each rank fits its own targets
+                    batches = [(x, y * (1 + _rank())) for x, y in  # type: ignore[assignment]
+                               (_get_batch(step) for step in range(3))]
                 else:
                     seed = 0 if case == "same_seed" else _rank()
                     batches = [_get_batch(seed + step) for step in range(3)]  # type: ignore[assignment]
+                if case == "warm_up":  # one step on a fixed batch before the real loop
+                    x, y = _get_batch(0)
+                    F.mse_loss(model(x), y).backward()
+                    opt.zero_grad()
                 for x, y in batches:
                     F.mse_loss(model(x), y).backward()
                     opt.step()
@@ -382,7 +458,7 @@ def mingpt() -> dict[str, Any]:
 def run_all() -> dict[str, Any]:
     out: dict[str, Any] = {}
     for section in (tutorial, rank_seeds, saving, dropped_models, ddp_controls, evaluation,
-                    identical_inputs, helper_thread, mingpt):
+                    evaluation_shapes, identical_inputs, helper_thread, mingpt):
         try:
             out[section.__name__] = section()
         except Exception:  # one section's failure fails its tests only
