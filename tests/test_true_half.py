@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from accel_ctx import distributed, load_state, mixed_precision, save_model, save_state, state
 from accel_ctx._distributed.env import MIXED_PRECISION_VAR
+from accel_ctx.errors import ConfigurationError
 from accel_ctx._launch.args import plan
 from accel_ctx._launch.config import read_file
 from accel_ctx.cli import torchrun_arity
@@ -278,3 +279,17 @@ def test_an_engine_built_over_fp32_weights_is_refused(two_ranks):
     for out in ranks:
         assert "already has a data-parallel engine" in out["refused"]
         assert "before the model's first forward" in out["refused"]
+
+
+@pytest.mark.parametrize("call", ["step", "unscale_"])
+def test_fp16_true_with_your_own_grad_scaler_names_the_cause_and_the_fix(call):
+    torch.manual_seed(0)
+    with mixed_precision("fp16-true"):
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu")  # an AMP loop kept as it was
+        x, y = torch.randn(16, 8), torch.randint(0, 3, (16,))
+        scaler.scale(F.cross_entropy(model(x).float(), y)).backward()
+        with pytest.raises(ConfigurationError, match=r"fp16-true.*Remove the GradScaler") as info:
+            getattr(scaler, call)(opt)
+    assert "Attempting to unscale FP16 gradients" in str(info.value.__cause__)

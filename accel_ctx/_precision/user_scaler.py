@@ -6,7 +6,8 @@ at every step and the user's scaler skips step after step while its scale comes 
 patches of ``GradScaler``'s methods route here: a user's enabled scaler then behaves as a
 disabled one would, and the scope's loss scaling does the work once, as in torch's recipe. The
 scope's own GradScaler (marked by ``_precision.loss_scale``) and any scaler outside an fp16 scope run as
-torch wrote them.
+torch wrote them. Inside ``mixed_precision("fp16-true")`` the gradients are fp16, which torch's
+GradScaler refuses to unscale: its ``ValueError`` becomes an error naming the scope and the fix.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import threading
 import weakref
 from typing import Any
 
+import torch
+
 from .._core import state as _state
 from .._core import step_gates as _step_gates
 from .._core.concern import LossScaling
 from .._warn import warn_user
+from ..errors import ConfigurationError
 from .loss_scale import OWN_SCALER
+from .true_half import TrueHalfRuntime
 
 # Users' own GradScalers told once that they defer to a mixed_precision("fp16") scope's.
 _deferring: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -54,6 +59,25 @@ def _deferring_to(scaler: Any) -> LossScaling | None:
     return None
 
 
+def _run(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A user's GradScaler method as torch wrote it; under 'fp16-true' its refusal of fp16
+    gradients says why they are fp16 and what to do instead."""
+    try:
+        return wrapped(*args, **kwargs)
+    except ValueError as error:
+        stack = _state.current()
+        if "FP16 gradients" not in str(error) or stack is None or not any(
+                isinstance(c, TrueHalfRuntime) and c.half == torch.float16 for c in stack.concerns):
+            raise
+        raise ConfigurationError(
+            "A GradScaler of your own runs inside mixed_precision('fp16-true'), which keeps the "
+            "model and its gradients in fp16 with no loss scaling, and torch's GradScaler cannot "
+            "unscale fp16 gradients. Remove the GradScaler (scaler.scale(loss).backward() -> "
+            "loss.backward(), scaler.step(opt) -> opt.step(), no scaler.update()), or use "
+            "mixed_precision('fp16') (fp32 weights, autocast and loss scaling: your scaler then "
+            "defers to the scope's) or 'bf16-true' (fp32's range, no scaling needed).") from error
+
+
 def _first(args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
     return args[0] if args else kwargs[name]
 
@@ -69,7 +93,7 @@ def unscale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
                    ) -> Any:
     scaling = _deferring_to(instance)
     if scaling is None:
-        return wrapped(*args, **kwargs)
+        return _run(wrapped, args, kwargs)
     optimizer = _first(args, kwargs, "optimizer")
     stack = _state.current()
     if stack is not None:
@@ -81,7 +105,7 @@ def unscale(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str
 def step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                 ) -> Any:
     if _deferring_to(instance) is None:
-        return wrapped(*args, **kwargs)
+        return _run(wrapped, args, kwargs)
     rest = dict(kwargs)
     optimizer = args[0] if args else rest.pop("optimizer")
     return optimizer.step(*args[1:], **rest)  # the step hooks unscale and skip on overflow
