@@ -13,10 +13,10 @@ from torch.utils.data import DataLoader
 
 from accel_ctx import distributed, load_state, mixed_precision, save_model, save_state, state
 from accel_ctx._distributed.env import MIXED_PRECISION_VAR
-from accel_ctx.errors import ConfigurationError
 from accel_ctx._launch.args import plan
 from accel_ctx._launch.config import read_file
 from accel_ctx.cli import torchrun_arity
+from accel_ctx.errors import ConfigurationError
 
 from ._spawn import spawn
 from .workers import true_half
