@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from accel_ctx import distributed, mixed_precision, state
-from accel_ctx.errors import ConfigurationError
+from accel_ctx.errors import ArgumentError, ConfigurationError
 
 from ._spawn import spawn
 from ._timeouts import scaled
@@ -157,6 +157,33 @@ def test_importing_accel_ctx_and_opening_fp8_import_no_torchao(torchao):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=scaled(120))
     assert result.returncode == 0, result.stderr
+
+
+def test_the_first_conversion_prints_nothing_of_torchaos_import(torchao):
+    code = ("import torch\n"
+            "from accel_ctx import mixed_precision\n"
+            "torch.manual_seed(0)\n"
+            "with mixed_precision('fp8'):\n"
+            "    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())\n"
+            "    model(torch.randn(4, 32)).float().sum().backward()\n"
+            "import logging\n"  # torchao's logger is left as it was: its later lines pass
+            "logging.getLogger('torchao').warning('Failed to load later')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=scaled(120))
+    assert result.returncode == 0, result.stderr
+    assert "Failed to load" in result.stderr and "later" in result.stderr
+    if not torch.cuda.is_available():  # a CUDA host keeps its failed CUDA libraries said
+        assert result.stderr.count("Failed to load") == 1, result.stderr
+    assert "Enum subclass" not in result.stderr, result.stderr
+
+
+def test_a_filter_that_cannot_take_module_and_name_is_refused_where_it_is_given(torchao):
+    with pytest.raises(TypeError, match=r"fp8_filter\(module, name\).*\(name\)"):
+        mixed_precision("fp8", fp8_filter=lambda name: name != "head")
+    with pytest.raises(ArgumentError, match="module_filter_fn"):
+        mixed_precision("fp8", fp8_filter=lambda module, name, extra: True)
+    mixed_precision("fp8", fp8_filter=lambda *args: True)  # these take two arguments
+    mixed_precision("fp8", fp8_filter=lambda module, fqn, depth=0: True)
 
 
 def test_two_ranks_ddp_and_sharded_checkpoints_and_low_bit_optimizers(torchao, tmp_path):

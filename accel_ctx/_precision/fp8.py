@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
+import logging
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -35,7 +38,7 @@ from .._core import state as _state
 from .._core.concern import ForwardCall
 from .._core.session import Session
 from .._warn import warn_user
-from ..errors import ConfigurationError
+from ..errors import ArgumentError, ConfigurationError
 from .runtime import PrecisionPolicy, PrecisionRuntime
 
 Fp8Filter = Callable[[nn.Module, str], bool]
@@ -90,6 +93,8 @@ def check_options(fp8_filter: object, fp8_config: object, policy: str | None
             f"mixed_precision(fp8_filter={fp8_filter!r}): give a function (module, name) -> "
             "bool that says which Linear layers train in float8, e.g. "
             "fp8_filter=lambda module, name: name != 'lm_head'.")
+    if fp8_filter is not None:
+        _check_filter_signature(fp8_filter)
     if fp8_config is not None and not _is_float8_config(fp8_config):
         raise ConfigurationError(
             f"mixed_precision(fp8_config={fp8_config!r}): give a torchao "
@@ -98,8 +103,53 @@ def check_options(fp8_filter: object, fp8_config: object, policy: str | None
     return Fp8Options(fp8_filter, fp8_config)
 
 
+def _check_filter_signature(fp8_filter: Callable[..., Any]) -> None:
+    """torchao calls the filter as ``filter(module, fqn)``: one taking another number of
+    arguments is refused here, not by a bare TypeError inside the model's first forward."""
+    try:
+        inspect.signature(fp8_filter).bind(nn.Module(), "")
+    except ValueError:  # no signature to read (a builtin): its first call will tell
+        return
+    except TypeError as error:
+        name = getattr(fp8_filter, "__name__", type(fp8_filter).__name__)
+        raise ArgumentError(
+            f"mixed_precision('fp8', fp8_filter={name}): the filter is called as "
+            f"fp8_filter(module, name) for each Linear layer (torchao's module_filter_fn), and "
+            f"{name}{inspect.signature(fp8_filter)} cannot take those two arguments ({error}). "
+            "Give it both, e.g. fp8_filter=lambda module, name: name != 'lm_head'.") from None
+
+
+_NOISE = (("torchao", "Failed to load"),  # its CUDA kernels, on a host without CUDA
+          ("torch.utils._pytree", "is an Enum subclass and is now natively supported"))
+"""What importing torchao logs on a correct run: the logger and a part of each line."""
+
+
+def import_torchao() -> None:
+    """Import ``torchao.float8`` (once per process) without the lines its import logs on a
+    correct run: its CUDA libraries failing to load where there is no CUDA, and torch's
+    deprecation of its Enum registration. Only around our own import; others pass."""
+    if "torchao.float8" in sys.modules:
+        return
+    noise = [(name, text) for name, text in _NOISE
+             if name != "torchao" or not torch.cuda.is_available()]
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not any(record.name == name and text in record.getMessage()
+                       for name, text in noise)
+
+    loggers = [logging.getLogger(name) for name, _ in noise]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        import torchao.float8  # noqa: F401
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
+
+
 def _is_float8_config(value: object) -> bool:
     require_torchao("mixed_precision(fp8_config=...)")
+    import_torchao()
     from torchao.float8 import Float8LinearConfig  # imported already: the config is made of it
 
     return isinstance(value, Float8LinearConfig)
@@ -189,6 +239,8 @@ def convert(module: nn.Module, options: Fp8Options) -> tuple[int, str]:
     """Swap the qualifying Linear layers of ``module`` for Float8Linear. Returns how many are
     Float8Linear now, and why the first Linear left out for its sizes was (or "")."""
     from torch.distributed.tensor import DTensor
+
+    import_torchao()
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
