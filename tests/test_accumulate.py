@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,3 +134,27 @@ def test_unknown_length_loader_rescales_a_short_tail():
     with accumulate(4):
         ours = run(4, 4)  # groups of 4, 4 and 2 micro-batches of 4
     _close(ours, reference)
+
+
+def test_a_second_scheduler_step_mid_group_waits_and_several_at_the_boundary_run():
+    torch.manual_seed(0)
+    with accumulate(3):
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 0.5**n)
+        told = []
+        for x, y in DataLoader(make_data(48), batch_size=8, shuffle=True):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                sched.step()
+                sched.step()  # twice each micro-step: mid-group both wait
+            told += [str(w.message) for w in caught]
+            if state().sync_gradients:
+                for _ in range(2):  # Accelerate's world_size calls, at the boundary: they run
+                    sched.step()
+    # 6 micro-batches, 2 groups: 2 calls + 2 guarded calls at each boundary
+    assert sched.last_epoch == 8, sched.last_epoch
+    assert len(told) == 1 and "held back" in told[0] and "sync_gradients" in told[0], told

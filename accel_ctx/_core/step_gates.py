@@ -13,11 +13,13 @@ import collections
 import functools
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 
+from .._warn import warn_user
 from . import state as _state
 from .session import OptimizerRecord, Session
 
@@ -172,7 +174,10 @@ def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
 
 
 def schedule_must_wait(session: Session, scheduler: Any) -> bool:
-    """Skip when the optimizer was stepped since the last schedule step, but never for real."""
+    """Wait when the optimizer was stepped since the last schedule step, but never for real, or
+    when it was not stepped since and its last ``step()`` was held back (a second call in the
+    same micro-step of an ``accumulate()`` group). Several calls after a real step all run
+    (Accelerate's ``world_size`` calls at the boundary)."""
     optimizer = getattr(scheduler, "optimizer", None)
     record = session.optimizers.get(optimizer) if optimizer is not None else None
     if record is not None:
@@ -184,4 +189,23 @@ def schedule_must_wait(session: Session, scheduler: Any) -> bool:
         return False
     if seen is None:  # made before the scope: its first step here follows the last step() call
         return record.skipping and getattr(scheduler, "_step_count", 1) > 0  # 0: being made
+    if now == seen and record.skipping:
+        _warn_again(scheduler)
+        return True
     return now[0] > seen[0] and now[1] == seen[1]
+
+
+_told_again: weakref.WeakSet[Any] = weakref.WeakSet()
+"""Schedulers told once that a second step() after a held-back optimizer step waits too."""
+
+
+def _warn_again(scheduler: Any) -> None:
+    if scheduler in _told_again:
+        return
+    _told_again.add(scheduler)
+    name = type(scheduler).__name__
+    warn_user(
+        f"{name}.step() was called again with no optimizer step() since, and that step() was "
+        "held back (mid accumulate() group, or skipped on an fp16 overflow): the extra call "
+        "waits too. Call the scheduler's step() once per opt.step(), or guard several calls "
+        "with `if state().sync_gradients:`.", RuntimeWarning)
