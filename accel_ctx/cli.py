@@ -288,9 +288,12 @@ def describe_failure(exc: Any, max_restarts: int) -> str:
         how = f"was killed by signal {failure.signal_name()}"
     else:
         how = f"exited with code {failure.exitcode} (its output is above)"
+    # a restart helps a rank that was killed (a signal, or the 128 + N that resumable()'s
+    # preemption exits with), not a script that chose its exit code (sys.exit(3)) or raised
     retry = (
         f" after {max_restarts} restart(s)" if max_restarts
         else "; add --max-restarts K to restart the workers after a crash"
+        if failure.exitcode < 0 or failure.exitcode > 128 else ""
     )
     return (
         f"{exc.format_msg()}\naccel-ctx launch: rank {rank} (local rank {failure.local_rank}, "

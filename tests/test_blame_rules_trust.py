@@ -160,3 +160,14 @@ def test_the_stalled_line_is_read_from_a_faulthandler_dump_of_that_thread_alone(
     line = thread_line(dump, threading.get_ident())
     assert line.startswith("test_blame_rules_trust.py:") and line.endswith("in stuck_here")
     assert thread_line(dump, 12345) == ""  # another thread's id: nothing of ours
+
+
+def test_restarts_are_suggested_after_a_kill_not_after_the_scripts_own_exit_code():
+    def last_line(code: int) -> str:
+        failure = ProcessFailure(0, 100, code, "")
+        return describe_failure(ChildFailedError("train.py", {0: failure}), 0).splitlines()[-1]
+
+    assert "--max-restarts" not in last_line(3)  # sys.exit(3): the script's own choice
+    assert "exited with code 3" in last_line(3)
+    assert "--max-restarts" in last_line(-9)  # killed (out of memory)
+    assert "--max-restarts" in last_line(128 + 15)  # resumable()'s exit after a SIGTERM
