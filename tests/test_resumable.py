@@ -375,10 +375,12 @@ def test_keeps_the_last_checkpoints_and_the_tracked_values(tmp_path, caplog):
         # the final checkpoint is step 6's periodic save, not a second save of that step
         assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-")) == [
             "ckpt-000005-step5", "ckpt-000006-step6"]
+        caplog.clear()
         losses, again, resumed = _train(tmp_path, 6, every_steps=1, keep_last=2)
     assert resumed and losses == []
     assert again["values"] == first["values"] and json.dumps(first["values"])
     assert "nothing left to run" in caplog.text
+    assert "resuming from" not in caplog.text  # a finished run says only that
 
 
 def test_a_finished_run_started_again_names_the_objects_it_could_not_restore(tmp_path, caplog):

@@ -270,7 +270,7 @@ def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
     # while restoring would lose nothing, but could not say why it ended).
     runtime.uninstall = runtime.signals.install()
     runtime.open(stack, checkpoint, group, rank, world)
-    if checkpoint is not None and rank == 0:
+    if checkpoint is not None and rank == 0 and not runtime.meta.finished:  # it said so
         from .resume_run import log
 
         log.warning("resumable(%s): resuming from %s (step %d, epoch %d)%s", root,
