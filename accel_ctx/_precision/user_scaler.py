@@ -16,15 +16,12 @@ import threading
 import weakref
 from typing import Any
 
-import torch
-
 from .._core import state as _state
 from .._core import step_gates as _step_gates
 from .._core.concern import LossScaling
 from .._warn import warn_user
 from ..errors import ConfigurationError
 from .loss_scale import OWN_SCALER
-from .true_half import TrueHalfRuntime
 
 # Users' own GradScalers told once that they defer to a mixed_precision("fp16") scope's.
 _deferring: weakref.WeakSet[Any] = weakref.WeakSet()
@@ -66,8 +63,9 @@ def _run(wrapped: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return wrapped(*args, **kwargs)
     except ValueError as error:
         stack = _state.current()
+        # by the protocol, as state() reads it (checkpoints may not import the runtimes)
         if "FP16 gradients" not in str(error) or stack is None or not any(
-                isinstance(c, TrueHalfRuntime) and c.half == torch.float16 for c in stack.concerns):
+                c.snapshot().get("mixed_precision") == "fp16-true" for c in stack.concerns):
             raise
         raise ConfigurationError(
             "A GradScaler of your own runs inside mixed_precision('fp16-true'), which keeps the "
