@@ -327,6 +327,9 @@ def test_checkpoint_calls_on_one_rank_only_name_the_rank_that_never_came(tmp_pat
         assert "rank 0 save_state(), rank 1 load_state()" in out[rank]["mixed"]
         assert out[rank]["nothing_written"] == [f"rank0-gave-up-{n}" for n in range(3)]
         assert out[rank]["loaded"] is True
+    left = out[0]["after_leaving"]  # ended when rank 1's record said so, not after 4 s
+    assert "save_state() must be called on every rank, and rank 1 left distributed() at" in left
+    assert "it will never arrive, so rank 0 stopped waiting after" in left, left
 
 
 def test_damage_found_by_rank_1_and_a_full_disk_on_rank_1(tmp_path):

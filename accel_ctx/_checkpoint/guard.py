@@ -37,6 +37,9 @@ from typing import Any
 import torch.distributed as dist
 
 from .._core import state as _state
+from .._distributed import barrier as _barrier
+from .._distributed import progress as _progress
+from .._distributed.keywait import KeyWait
 from .._warn import warn_user
 from ..errors import CheckpointError, ConfigurationError, DistributedError
 
@@ -49,11 +52,12 @@ _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 # ---- every rank arrives ------------------------------------------------------------------------
 class _Points:
-    __slots__ = ("completed", "prefix")
+    __slots__ = ("completed", "prefix", "waits")
 
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
         self.completed = 0
+        self.waits: KeyWait | None = None
 
 
 _points: weakref.WeakKeyDictionary[Any, _Points] = weakref.WeakKeyDictionary()
@@ -110,7 +114,14 @@ def arrive(call: str) -> None:
             store.compare_set(f"{point}/done", "",
                               _OK if len(set(calls)) == 1 else json.dumps({"calls": calls}))
         try:
-            store.wait([f"{point}/done"], timedelta(seconds=seconds))
+            if job is None or world == 1:
+                store.wait([f"{point}/done"], timedelta(seconds=seconds))
+            else:  # a rank that left distributed() or died will never come: end at once
+                if record.waits is None:
+                    record.waits = KeyWait(store)
+                gone = _Gone(job, store, point, rank, world)
+                record.waits.wait(f"{point}/done", seconds, gone.look,
+                                  _barrier.look_interval(world))
             verdict = store.get(f"{point}/done").decode()
         except RuntimeError:  # a timeout: give up, unless the last rank came meanwhile
             missing = [r for r in range(world) if not store.check([f"{point}/arrived/{r}"])]
@@ -130,6 +141,41 @@ def arrive(call: str) -> None:
         _refuse(call, rank, json.loads(verdict))
 
 
+class _Gone:
+    """Looks, during an arrival wait, for a missing rank that will never come: its progress
+    record says it left distributed() or failed, or its process died (same machine)."""
+
+    def __init__(self, job: Any, store: Any, point: str, rank: int, world: int) -> None:
+        self.job, self.store, self.point = job, store, point
+        self.rank, self.world = rank, world
+        self.started = time.monotonic()
+
+    def look(self) -> None:
+        missing = [r for r in range(self.world)
+                   if not self.store.check([f"{self.point}/arrived/{r}"])]
+        if not missing:
+            return
+        progress_store, prefix = _barrier.store_and_prefix(self.job)
+        records = _progress.read(progress_store, prefix, self.world)
+        for r in missing:
+            last = records.get(r)
+            if last is None:
+                continue
+            state = last.get("state")
+            if state == _progress.LEFT:
+                why = f"rank {r} left distributed() at {_progress.describe(last)}"
+            elif state == _progress.FAILED:
+                why = f"rank {r} failed at {_progress.describe(last)}"
+            elif _progress.process_gone(last):
+                why = f"rank {r}'s process died (last seen at {_progress.last_seen(last)})"
+            else:
+                continue
+            waited = round(time.monotonic() - self.started, 1)
+            self.store.compare_set(f"{self.point}/done", "", json.dumps(
+                {"rank": self.rank, "seconds": waited, "missing": missing, "gone": why}))
+            return
+
+
 def _refuse(call: str, rank: int, verdict: dict[str, Any]) -> None:
     if "calls" in verdict:
         raise DistributedError(
@@ -138,6 +184,13 @@ def _refuse(call: str, rank: int, verdict: dict[str, Any]) -> None:
             + "). Every rank must call save_state()/load_state()/save_model() in the same order."
         )
     missing, waiter = verdict["missing"], verdict["rank"]
+    if "gone" in verdict:
+        raise DistributedError(
+            f"rank {rank}: {call} must be called on every rank, and {verdict['gone']}: it will "
+            f"never arrive, so rank {waiter} stopped waiting after {verdict['seconds']:g} s. "
+            "Call it on every rank, before any rank leaves the scope (a loop that ends sooner, "
+            "a break or a return on that rank, or the call under `if state().is_main_process:`"
+            "): it is collective, and writes (or reads) rank 0's part itself.")
     if rank in missing:
         head = (f"rank {rank} came too late: rank {waiter} waited {verdict['seconds']:g} s for "
                 f"rank(s) {missing} and gave up")

@@ -62,7 +62,7 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 def one_rank_calls(root: str) -> dict[str, Any]:
     """On 2 ranks: save_state, save_model and load_state on rank 0 alone, then rank 1 late;
     different calls on the two ranks; then every rank saves and loads as it should (the ranks
-    still agree)."""
+    still agree); last, save_state on rank 0 after rank 1 left the scope."""
     # not the default 60 s (this is a spawned child); scaled: the mixed calls below must meet
     os.environ[guard.ARRIVAL_ENV] = f"{scaled(4):g}"
     out: dict[str, Any] = {"arrival": os.environ[guard.ARRIVAL_ENV]}
@@ -93,6 +93,8 @@ def one_rank_calls(root: str) -> dict[str, Any]:
         fresh = MLP()
         out["loaded"] = load_state(folder / "ckpt", model=fresh).path == path and all(
             torch.equal(v, params(fresh)[k]) for k, v in params(model).items())
+        if rank == 0:  # rank 1 leaves distributed() meanwhile: known at once, not at the timeout
+            out["after_leaving"] = _error(lambda: save_state(folder / "ckpt", model=model))
     return out
 
 
