@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ._timeouts import scaled
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,3 +98,28 @@ def test_the_cli_page_names_every_launcher_setting():
     assert not missing, f"docs/cli.md does not name: {missing}"
     # The precedence rule is written once, in README.md, and included where it is needed.
     assert '--8<-- "README.md:precedence"' in page
+
+
+def _accelerate_lrs(batches: int, world: int, k: int, lr: float, gamma: float) -> list[float]:
+    """Accelerate's learning rate after each micro-batch of one process: a prepared StepLR
+    (step_size=1) steps ``num_processes`` times when the optimizer stepped (``sync_gradients``:
+    every k-th micro-batch and the loader's last), never in between (AcceleratedScheduler.step)."""
+    per_rank = batches // world
+    moves, out = 0, []
+    for i in range(1, per_rank + 1):
+        if i % k == 0 or i == per_rank:
+            moves += world
+        out.append(lr * gamma ** moves)
+    return out
+
+
+def test_the_accelerate_schedule_lines_give_accelerates_learning_rates(tmp_path):
+    from ._spawn import spawn
+    from .workers.docs_blocks import run_block
+
+    block = next(b for b in _blocks() if "Accelerate's schedule" in str(b["code"]))
+    assert block["reason"] is None and "accumulate(2)" in str(block["code"])
+    for rank, lrs in enumerate(spawn(run_block, 2, tmp_path, block["code"], block["where"],
+                                      "lrs")):
+        assert lrs == pytest.approx(_accelerate_lrs(16 // 2, 2, 2, 0.01, 0.5)), rank
+    assert _accelerate_lrs(8, 2, 2, 0.01, 0.5) == pytest.approx([0.01, 0.0025, 0.0025, 0.000625])
