@@ -173,6 +173,24 @@ def test_the_launcher_refuses_a_master_port_held_by_another_program(waited):
     assert "held by another program" in text, text
 
 
+# --- #38: ranks started by hand (no launcher) on a MASTER_PORT another program holds ------------
+def test_a_rank_started_by_hand_on_a_held_master_port_names_it_long_before_the_timeout(tmp_path):
+    timeout = scaled(120.0)  # rank 0 fails alone at once; rank 1 must not wait all of this
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(8)  # accepts, never answers: not a rendezvous store
+        port = held.getsockname()[1]
+        env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        [result] = spawn(rendezvous_trust.enter, 1, tmp_path, timeout, env=lambda _: env,
+                         timeout=240)
+    error = result["error"]
+    assert error is not None and error.startswith("RendezvousError: rank 1 of 2"), result
+    assert result["elapsed"] < scaled(30), result
+    assert f"port {port} is likely held by another program" in error, error
+    assert f"Free port {port}, or start every rank with another MASTER_PORT" in error, error
+
+
 # --- 8b: rank 0 started by hand with an address that does not lead to it ------------------------
 def test_rank_zero_with_an_unreachable_master_addr_ends_in_time_with_progress_lines(waited):
     timeout, result = outcome(waited["unreachable"])

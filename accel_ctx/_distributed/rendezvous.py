@@ -33,6 +33,7 @@ from .probe import in_thread
 PROGRESS_VAR = "ACCEL_CTX_RDZV_PROGRESS_S"
 _log = logging.getLogger("accel_ctx")
 _MAX_NAMED = 32  # ranks named in a message; larger jobs get counts
+_SILENT_S = 5.0  # a store answers a client at once; a port silent this long is looked at
 
 
 def progress_interval() -> float:
@@ -173,9 +174,23 @@ def _within(make: Any, waiter: Waiter, doing: str) -> list[Any]:
 
 def _connect_client(host: str, port: int, launch: _env.LaunchEnv, timeout: timedelta,
                     waiter: Waiter) -> Store:
-    got = _within(lambda: TCPStore(host, port, launch.coordinates.world_size, is_master=False,
-                                   timeout=timeout, wait_for_workers=False),
-                  waiter, "connecting to rank 0's store")
+    thread, got = in_thread(lambda: TCPStore(host, port, launch.coordinates.world_size,
+                                             is_master=False, timeout=timeout,
+                                             wait_for_workers=False), "accel_ctx-rendezvous")
+    began, look = time.monotonic(), None
+    while not got and waiter.left() > 0:
+        thread.join(waiter.poll_s())
+        waiter.tick("connecting to rank 0's store")
+        # Something that accepts the connection and never answers is no store: a port held by
+        # another program (started by hand, rank 0 then fails alone), which the client would
+        # wait on for the whole timeout. A store answers at once; a probe tells them apart.
+        if look is None and not got and time.monotonic() - began > _SILENT_S:
+            look = in_thread(lambda: _probe.what_answers(host, port, _SILENT_S), "accel_ctx-probe")
+        if look is not None and look[1] and not got:
+            if look[1][0] == _probe.OTHER:
+                raise waiter.fail(_held(host, port), f"Free port {port}, or start every rank "
+                                  "with another MASTER_PORT (one nothing else listens on).")
+            look, began = None, time.monotonic()  # nothing there yet, or a store: look again
     if got and not isinstance(got[0], BaseException):
         store: Store = got[0]
         return store
@@ -194,8 +209,12 @@ def _diagnose(host: str, port: int) -> str:
         return f"nothing listens at {host}:{port} (rank 0 not started, or the port is wrong)"
     if error is not None:
         return f"the address {host}:{port} is unreachable from this host ({error})"
+    return _held(host, port)
+
+
+def _held(host: str, port: int) -> str:
     return (f"something accepts connections at {host}:{port} but it is not a rendezvous store: "
-            "the port is likely held by another program")
+            f"port {port} is likely held by another program")
 
 
 def await_peers(store: Store, launch: _env.LaunchEnv, waiter: Waiter) -> None:
