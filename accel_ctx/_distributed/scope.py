@@ -26,6 +26,9 @@ from .._engines import (
     adopt as _adopt,
 )
 from .._engines import (
+    choice as _choice,
+)
+from .._engines import (
     comm_hook as _comm_hook,
 )
 from .._engines import (
@@ -164,6 +167,7 @@ class DistributedRuntime(Concern):
         self.job = job
         self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
         self.tensor = tensor  # tp=N: tensor parallelism (then FSDP2 over "dp" under sharded())
+        self.engines = _choice.choose(plan, tensor)  # asked, never branched on
         # TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors
         self._plain_beside_split = tensor is not None and not _tensor_parallel.shards_over_dp(
             job, plan)
@@ -174,7 +178,7 @@ class DistributedRuntime(Concern):
         # DDP's steady state: what before_forward, the gate, forward_failed and forward_done do
         # for it, in their order; the first calls, evaluation, rank-only code, an uneven tail,
         # sharded and tensor-parallel models take the general path
-        if (self.tensor is not None or self.plan is not None
+        if (not self.engines.steady_ddp
                 or self.job.device.type not in ("cpu", "cuda")):  # else inputs are moved
             return None
         job = self.job
@@ -211,29 +215,21 @@ class DistributedRuntime(Concern):
     @override
     def before_forward(self, call: ForwardCall, session: Session) -> None:
         # fast_forward() repeats DDP's steady case of this, forward_failed and forward_done
-        # (with the gate's sync vote): a change to one belongs in the other
+        # (with the gate's sync vote): a change to one belongs in the other, and
+        # tests/test_hot_path.py runs both on the same calls and compares every effect
         job = self.job
         progress = job.progress  # where this rank is, for the others' error messages
         progress.seq += 1
         progress.phase, progress.entered_at = FORWARD, None  # no line: Progress.entered_at
         engine: Engine | None
         try:
-            if self.tensor is not None:
-                call.target, engine = _tensor_parallel.prepare(
-                    job, call.module, call.grad, self.tensor, self.plan, session)
-            elif self.plan is None:
-                call.target, engine = _replicate.prepare(job, call.module, call.grad)
-            else:
-                call.target, engine = _fsdp.prepare(job, call.module, call.grad, self.plan,
-                                                    session)
+            call.target, engine = self.engines.prepare(job, call.module, call.grad, session)
             if (engine is not None and engine is not call.module and call.grad
                     and not job.adoption.inputs_checked):
                 note_inputs(job, call, session)
         except Exception as exc:
             # the engine's setup broadcasts rank 0's weights
-            _blame.reraise(job, exc, "forward (splitting the model over tp)"
-                           if self.tensor is not None else "forward (setting up DDP)"
-                           if self.plan is None else "forward (sharding the model)")
+            _blame.reraise(job, exc, f"forward ({self.engines.setting_up})")
             raise
         call.engine = engine
         if not call.grad:
@@ -316,15 +312,15 @@ class DistributedRuntime(Concern):
 
     @override
     def overrides(self, hook: str) -> bool:
-        if hook == "before_touch" and self.plan is None and self.tensor is None:
+        if hook == "before_touch" and not self.engines.lays_out_at_touch:
             return False  # under DDP a model is laid out at its first forward
         return super().overrides(hook)
 
     @override
     def before_touch(self, module: nn.Module, session: Session, caller: FrameType) -> None:
-        _touch.shard_at_touch(self.job, self.plan, self.tensor, module, session, caller)
+        _touch.lay_out_at_touch(self.job, self.engines, module, session, caller)
 
     @override
     def prepare_for_load(self, objects: dict[str, Any], session: Session) -> None:
-        _replicate.prepare_for_load(self.job, self.plan, objects, session, self.tensor)
+        self.engines.prepare_for_load(self.job, objects, session)
 

@@ -76,7 +76,7 @@ class ShardedEngine:
         self.module.set_requires_gradient_sync(value)  # type: ignore[operator]
 
 
-def prepare(job: Job, module: nn.Module, grad: bool, plan: ShardingPlan, session: Session
+def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, plan: ShardingPlan
             ) -> tuple[nn.Module, ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its sharded engine (or None)."""
     record = _records.module_record(module)

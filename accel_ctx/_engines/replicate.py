@@ -23,10 +23,8 @@ from .._warn import warn_user
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
-from . import tensor_parallel as _tensor_parallel
 from .comm_hook import torch_hook
 from .join import LAST_FORWARD, refuse_forward
-from .tp_plan import TensorPlan
 
 _BUFFER_SYNC_FLAG = (
     "forward_sync_buffers"
@@ -35,7 +33,7 @@ _BUFFER_SYNC_FLAG = (
 )
 
 
-def prepare(job: Job, module: nn.Module, grad: bool
+def prepare(job: Job, module: nn.Module, grad: bool, session: Session | None = None
             ) -> tuple[nn.Module, nn.parallel.DistributedDataParallel | _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its DDP engine (or None)."""
     record = _records.module_record(module)
@@ -92,31 +90,6 @@ def steady_engine(job: Job, module: nn.Module) -> nn.parallel.DistributedDataPar
     adoption.forwards += 1
     engine.__dict__[LAST_FORWARD] = adoption.forwards
     return engine
-
-
-def prepare_for_load(job: Job, plan: _fsdp.ShardingPlan | None, objects: dict[str, Any],
-                     session: Session, tensor: TensorPlan | None = None) -> None:
-    """Lay out the models and optimizers ``load_state`` is about to fill as training will: under
-    ``sharded()`` shard the models now (each rank then reads only its own shards; under ``tp=``
-    split them over "tp" first) and point the optimizers at the shards; else move the models to
-    the job's device, so that loaded optimizer states live there."""
-    if plan is not None or tensor is not None:
-        for obj in objects.values():
-            if isinstance(obj, nn.Module) and tensor is not None:
-                _tensor_parallel.prepare(job, obj, True, tensor, plan, session)
-            elif isinstance(obj, nn.Module) and plan is not None:
-                _fsdp.prepare(job, obj, True, plan, session)
-        for obj in objects.values():
-            if isinstance(obj, torch.optim.Optimizer):
-                _adopt.adopt_optimizer(job, obj)
-        return
-    if job.device.type == "cpu":
-        return
-    for obj in objects.values():
-        if isinstance(obj, nn.Module):
-            tensors = [*obj.parameters(), *obj.buffers()]
-            if tensors and all(t.device.type == "cpu" for t in tensors):
-                obj.to(job.device)
 
 
 def _trainable(module: nn.Module) -> bool:

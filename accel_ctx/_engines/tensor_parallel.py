@@ -56,9 +56,8 @@ class TensorEngine(_fsdp.ShardedEngine):
             super().switch_sync(value)
 
 
-def prepare(job: Job, module: nn.Module, grad: bool, tensor: TensorPlan,
-            sharding: _fsdp.ShardingPlan | None, session: Session
-            ) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
+def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, tensor: TensorPlan,
+            sharding: _fsdp.ShardingPlan | None) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its engine (or None)."""
     record = _records.module_record(module)
     if record is None or record.owner is not job.root:

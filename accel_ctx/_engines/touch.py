@@ -34,10 +34,8 @@ from .._core import state as _state
 from .._core.session import Session
 from .._distributed.job import Job
 from . import adopt as _adopt
-from . import fsdp as _fsdp
 from . import records as _records
-from . import tensor_parallel as _tensor_parallel
-from .tp_plan import TensorPlan
+from .choice import EngineChoice
 
 TOUCHES = ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict",
            "load_state_dict")
@@ -108,8 +106,8 @@ def _under_construction(caller: types.FrameType) -> bool:
     return False
 
 
-def shard_at_touch(job: Job, sharding: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
-                   module: nn.Module, session: Session, caller: types.FrameType) -> None:
+def lay_out_at_touch(job: Job, engines: EngineChoice, module: nn.Module, session: Session,
+                     caller: types.FrameType) -> None:
     """Shard (or split) the model ``module`` belongs to now, if this touch comes before its first
     forward; else nothing."""
     if _records.module_record(module) is not None or getattr(_busy, "on", False):
@@ -128,9 +126,6 @@ def shard_at_touch(job: Job, sharding: _fsdp.ShardingPlan | None, tensor: Tensor
         return  # sharding is collective: the first forward on every rank does it
     _busy.on = True
     try:
-        if tensor is not None:
-            _tensor_parallel.prepare(job, root, True, tensor, sharding, session)
-        elif sharding is not None:
-            _fsdp.prepare(job, root, True, sharding, session)
+        engines.prepare(job, root, True, session)
     finally:
         _busy.on = False
