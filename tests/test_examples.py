@@ -79,9 +79,6 @@ def test_resumable_run_stopped_by_a_signal_carries_on_from_its_step(tmp_path):
     assert "done: step 24" in finished and re.findall(r"weights checksum (\S+)", finished) == checksum
 
 
-@pytest.mark.xfail(strict=True, reason="resumable(): after a resume mid-epoch, the next epoch's "
-                   "shuffled order differs from the uninterrupted run's (one process, seed set "
-                   "before the scopes); issue 38's resume work")
 def test_resumable_run_stopped_and_resumed_ends_as_one_never_stopped(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "examples" / "resumable_train.py"), "--out", "a",
                     "--stop-at-step", "5"], cwd=tmp_path, env=ENV, capture_output=True,

@@ -74,6 +74,7 @@ class ResumeRuntime(Concern):
         self.carried: dict[str, Any] = {}  # the checkpoint's entries not met again yet
         self.unrestored: list[tuple[str, torch.optim.Optimizer]] = []
         self.process_restored = True
+        self.early_rng: torch.Tensor | None = None  # what a restore left, until a forward
         self.start_step = self.checked_step = 0
         self.saver = saver.Saver(folder, keep_last, self.signals)
         self.opened = False
@@ -201,20 +202,26 @@ class ResumeRuntime(Concern):
         if callable(getattr(obj, "state_dict", None)) and not is_loader(obj):
             checkpoint.load(name, obj, {}, f"run.track({name}=...)")
 
-    def _restore_process(self) -> None:
-        if not self.process_restored and self.checkpoint is not None:
-            self.process_restored = True
-            stack = _state.current()
-            if stack is not None:
-                self.checkpoint.restore_process(stack)
+    def _restore_process(self, boundary: bool = False) -> None:
+        # Again at a boundary before any forward if something drew since (the model built after
+        # a run.step read for a log line): the loop's order and first batch come after it.
+        again = (boundary and self.early_rng is not None
+                 and not torch.equal(torch.get_rng_state(), self.early_rng))
+        if (self.process_restored and not again) or self.checkpoint is None:
+            return
+        self.process_restored = True
+        if (stack := _state.current()) is not None:
+            self.checkpoint.restore_process(stack)
+            self.early_rng = torch.get_rng_state()
 
     def _loader_met(self, loader: Any, record: Any) -> None:
-        self._restore_process()  # before the epoch draws its order from the RNG
+        self._restore_process(boundary=True)  # before the epoch draws its order from the RNG
 
     @override
     def before_forward(self, call: ForwardCall, session: Session) -> None:
         self._boundary(session)
         self._restore_process()
+        self.early_rng = None  # training began: what it draws is the run's own
         key, new = self.key_of(call.module, "model")
         checkpoint = self.checkpoint
         if new and checkpoint is not None and key in checkpoint.names:
@@ -225,7 +232,7 @@ class ResumeRuntime(Concern):
         """``run.step`` read in the scope's thread: a boundary of a loop without a DataLoader
         (with one, its next batch is the boundary, and a read for a log line is none)."""
         if _state.current() is not None and not self.session.loaders:
-            self._restore_process()
+            self._restore_process(boundary=True)
             self._boundary(self.session)
 
     @override
