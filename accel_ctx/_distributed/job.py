@@ -48,6 +48,7 @@ class Adoption:
         "same_inputs",
         "undo_batchnorm",
         "uneven_tail",
+        "unsent_inputs",
         "warned_batchnorm",
     )
 
@@ -68,6 +69,7 @@ class Adoption:
         self.inputs_checked = False
         self.same_inputs = 0
         self.pending_inputs: tuple[bool, int] | None = None
+        self.unsent_inputs: tuple[bool, int, int] | None = None  # a step's notes, for the next
 
 
 class Job:

@@ -44,7 +44,7 @@ from .._engines import (
     touch as _touch,
 )
 from .._engines.ddp_controls import holds_back
-from .._engines.replica_inputs import compare_inputs, note_inputs
+from .._engines.replica_inputs import note_inputs, note_loss
 from .._engines.tp_plan import TensorPlan
 from .._engines.tp_styles import loss_parallel_on
 from .._options import checked
@@ -262,11 +262,7 @@ class DistributedRuntime(Concern):
         if job.root.pending_eval is not None:
             verdict(job)  # training goes on: judge a finished evaluation pass
         if job.adoption.pending_inputs is not None:
-            try:
-                compare_inputs(job, loss)  # the first steps: the same batch on every rank?
-            except Exception as exc:
-                _blame.reraise(job, exc, "backward (comparing the ranks' first inputs)")
-                raise
+            note_loss(job, loss)  # the first steps: the same batch on every rank? (local)
         progress = job.progress
         if progress.armed and _state.rank_only() is not None and job.world_size > 1:
             _blame.refuse_rank_only("backward()", "DDP's gradient averaging in it")

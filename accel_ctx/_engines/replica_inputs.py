@@ -5,13 +5,15 @@ themselves; wrapped as they are, every rank trains on the same tensors unless th
 slices them by rank, so W processes train W identical copies at W times the cost of one.
 
 From the job's first training forward through an engine, each forward notes a fingerprint of its
-inputs (and whether a DataLoader accel_ctx shards fed it); at the backward that follows, the
-ranks exchange it with their loss (one small all-gather). The inputs are "the same" only when
-every rank's forward inputs *and* loss are equal: a script that shares its inputs but gives each
-rank its own targets computes different losses. A fixed batch may be a warm-up: rank 0 warns
-once, naming the fixes, only when ``STEPS`` backwards in a row were the same on every rank with
-no sharded loader. The first step that differs, or comes from such a loader, ends the check:
-nothing per step after it.
+inputs (and whether a DataLoader accel_ctx shards fed it) and the backward that follows notes its
+loss, all locally. The ranks exchange what a step noted at the next training forward, before it
+runs (one small all-gather, where every rank is anyway, as DDP's own start-up broadcast is): the
+backward and the first step run no collective of ours, so a rank that fails there is blamed as
+before. The inputs are "the same" only when every rank's inputs *and* loss are equal: a script
+that shares its inputs but gives each rank its own targets computes different losses. A fixed
+batch may be a warm-up: rank 0 warns once, naming the fixes, only when ``STEPS`` steps in a row
+were the same on every rank with no sharded loader. The first step that differs, or comes from
+such a loader, ends the check: nothing per step after it.
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ from .._data import order as _data_order
 from .._distributed.job import Job
 from .._warn import warn_user
 
-STEPS = 3  # backwards in a row on the same inputs before it is said: a warm-up step is not
+STEPS = 2  # steps in a row on the same inputs before it is said: one warm-up step is not
 
 
 def note_inputs(job: Job, call: ForwardCall, session: Session) -> None:
-    """A training forward through an engine while the check runs: note its inputs (local)."""
+    """A training forward through an engine while the check runs: compare the last step's
+    notes with the other ranks (the collective), then note this forward's inputs (local)."""
     adoption = job.adoption
     if adoption.inputs_checked or job.world_size == 1 or not dist.is_initialized():
         return
+    if adoption.unsent_inputs is not None:
+        _compare(job, *adoption.unsent_inputs)
+        if adoption.inputs_checked:
+            return
     fed, digest = adoption.pending_inputs or (False, 0)
     fed = fed or session.active_loader() is not None
     digest = zlib.crc32(digest.to_bytes(4, "little"),
@@ -43,15 +50,21 @@ def note_inputs(job: Job, call: ForwardCall, session: Session) -> None:
     adoption.pending_inputs = (fed, digest)
 
 
-def compare_inputs(job: Job, loss: torch.Tensor) -> None:
-    """The backward of noted forwards: the ranks compare their inputs and losses."""
+def note_loss(job: Job, loss: torch.Tensor) -> None:
+    """The backward of noted forwards: its loss joins their notes, compared at the next step."""
     adoption = job.adoption
     fed, digest = adoption.pending_inputs or (False, 0)
     adoption.pending_inputs = None
     local = loss.to_local() if hasattr(loss, "to_local") else loss  # a DTensor (loss_parallel)
     value = float(local.detach().double().sum())  # a sync, for the first few steps only
-    bits = torch.tensor([value], dtype=torch.float64).view(torch.int64)
-    mine = torch.tensor([int(fed), digest, int(bits)], dtype=torch.int64,
+    bits = int(torch.tensor([value], dtype=torch.float64).view(torch.int64).item())
+    adoption.unsent_inputs = (fed, digest, bits)
+
+
+def _compare(job: Job, fed: bool, digest: int, bits: int) -> None:
+    adoption = job.adoption
+    adoption.unsent_inputs = None
+    mine = torch.tensor([int(fed), digest, bits], dtype=torch.int64,
                         device=job.comm_device(torch.device("cpu")))
     everyone = [torch.empty_like(mine) for _ in range(job.world_size)]
     dist.all_gather(everyone, mine)

@@ -119,7 +119,9 @@ def waits_with_progress_lines(seconds: float) -> dict[str, Any]:
             for i in range(3):
                 if state().rank == 0 and i == 2:
                     time.sleep(seconds)
-                model(torch.randn(8, 4)).sum().backward()
+                # each rank its own batch: the same batch on every rank would be compared at
+                # the next step's forward (the same-inputs check), where rank 1 would wait then
+                model(torch.randn(8, 4) + state().rank).sum().backward()
                 opt.step()
                 opt.zero_grad()
 
