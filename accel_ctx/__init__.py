@@ -22,15 +22,10 @@ from . import errors
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name loads on use
     from ._checkpoint import Resumed, load_state, save_model, save_state
-    from ._checkpoint.resumable import resumable
-    from ._core.status import State, state
     from ._data.position import load_loader_state, loader_state, skip_first_batches
-    from ._distributed.scope import DistributedOptions, distributed
-    from ._engines.comm_hook import PowerSGD
-    from ._engines.sharded import sharded
+    from ._job.comm_hook import PowerSGD
     from ._launch.fn import launch
     from ._precision.runtime import PrecisionPolicy
-    from ._precision.scope import autocast_forward, mixed_precision
     from ._ranks.batch_size import find_executable_batch_size
     from ._ranks.broadcast import broadcast, broadcast_object
     from ._ranks.collectives import gather, gather_object, pad_across_processes, reduce
@@ -40,7 +35,12 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name 
     from ._ranks.process import on_last_process, on_local_main_process, on_main_process, on_process
     from ._ranks.sync import main_process_first, wait_for_everyone
     from ._ranks.watch import log_metrics, progress
-    from ._steps.accumulate import accumulate, no_sync
+    from ._scopes.accumulate import accumulate, no_sync
+    from ._scopes.distributed import DistributedOptions, distributed
+    from ._scopes.mixed_precision import autocast_forward, mixed_precision
+    from ._scopes.resumable import resumable
+    from ._scopes.sharded import sharded
+    from ._scopes.status import State, state
     from ._steps.clip import clip_grad_norm_, clip_grad_value_
 
 __all__ = [
@@ -97,8 +97,8 @@ __version__ = "0.1.0"
 # imports no torch (the `accel-ctx` command's --help and config rely on it), and
 # `from accel_ctx import distributed` loads only what it needs.
 _HOMES = {
-    "accumulate": "_steps.accumulate",
-    "no_sync": "_steps.accumulate",
+    "accumulate": "_scopes.accumulate",
+    "no_sync": "_scopes.accumulate",
     "find_executable_batch_size": "_ranks.batch_size",
     "broadcast": "_ranks.broadcast",
     "broadcast_object": "_ranks.broadcast",
@@ -106,19 +106,19 @@ _HOMES = {
     "load_state": "_checkpoint",
     "save_model": "_checkpoint",
     "save_state": "_checkpoint",
-    "resumable": "_checkpoint.resumable",
+    "resumable": "_scopes.resumable",
     "clip_grad_norm_": "_steps.clip",
     "clip_grad_value_": "_steps.clip",
     "gather": "_ranks.collectives",
     "gather_object": "_ranks.collectives",
     "pad_across_processes": "_ranks.collectives",
     "reduce": "_ranks.collectives",
-    "PowerSGD": "_engines.comm_hook",
+    "PowerSGD": "_job.comm_hook",
     "all_ranks": "_ranks.decide",
     "any_rank": "_ranks.decide",
     "synchronize_rng_states": "_ranks.decide",
-    "DistributedOptions": "_distributed.scope",
-    "distributed": "_distributed.scope",
+    "DistributedOptions": "_scopes.distributed",
+    "distributed": "_scopes.distributed",
     "gather_for_metrics": "_ranks.evaluation",
     "split_between_processes": "_ranks.evaluation",
     "launch": "_launch.fn",
@@ -128,17 +128,17 @@ _HOMES = {
     "loader_state": "_data.position",
     "skip_first_batches": "_data.position",
     "PrecisionPolicy": "_precision.runtime",
-    "autocast_forward": "_precision.scope",
-    "mixed_precision": "_precision.scope",
+    "autocast_forward": "_scopes.mixed_precision",
+    "mixed_precision": "_scopes.mixed_precision",
     "main_process_first": "_ranks.sync",
     "on_last_process": "_ranks.process",
     "on_local_main_process": "_ranks.process",
     "on_main_process": "_ranks.process",
     "on_process": "_ranks.process",
     "wait_for_everyone": "_ranks.sync",
-    "sharded": "_engines.sharded",
-    "State": "_core.status",
-    "state": "_core.status",
+    "sharded": "_scopes.sharded",
+    "State": "_scopes.status",
+    "state": "_scopes.status",
     "log_metrics": "_ranks.watch",
     "progress": "_ranks.watch",
 }

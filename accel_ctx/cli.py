@@ -120,7 +120,7 @@ def master_held(master: Any, seconds: float = 10.0) -> str:
     ten minutes; it is found here within ``seconds``. Nothing listening is fine: node 0 serves
     the store there, or has not started yet (torchrun waits for it and says so).
     """
-    from ._distributed.probe import OTHER, what_answers
+    from ._group.probe import OTHER, what_answers
     from ._launch.settings import split_host_port
 
     address = split_host_port(str(master)) if master else None
@@ -212,12 +212,12 @@ def _verdict(exc: Any) -> tuple[int, Any, tuple[int, str] | None, int]:
     """(the rank that caused the failure, its failure or None, (the rank that named it, its
     message) or None, the exit code).
 
-    The culprit is the rank our ranks' error files name most (``_distributed.blame``); else the rank that
+    The culprit is the rank our ranks' error files name most (``_group.blame``); else the rank that
     failed first by itself (not one the launcher stopped with SIGTERM because another had
     failed). The exit code is the culprit's own, unless the launcher stopped it or it left
     with 0 (``os._exit(0)``): then the code of the rank that named it.
     """
-    from ._distributed.blame import culprit_of
+    from ._group.blame import culprit_of
 
     failures: dict[int, Any] = dict(getattr(exc, "failures", None) or {})
     named: dict[int, list[tuple[int, str]]] = {}

@@ -514,7 +514,7 @@ def _endless(epoch_steps: Callable[[int], Iterator[None]]) -> Iterator[None]:
 
 def step_pairs_row(ctx: Rank, settings: Settings, report: Callable[..., None], index: int,
                    row: Row, turns: dict[str, Iterator[None]]) -> None:
-    from accel_ctx._core import patches  # the benchmark's own switch: stock torch for side A
+    from accel_ctx._hooks import patches  # the benchmark's own switch: stock torch for side A
 
     own_contexts = {side: contextvars.Context() for side in (REF, REF2)}
 

@@ -15,8 +15,8 @@ from torch.optim import optimizer as optim_module
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
-from accel_ctx._core import patches as _patches
-from accel_ctx._core import state as _state
+from accel_ctx._hooks import patches as _patches
+from accel_ctx._kernel import state as _state
 
 from . import _timeouts
 
@@ -100,35 +100,35 @@ def cpu_unless_gpu_test(request, no_state_left_behind, monkeypatch):
 # to take, is short. xdist's own order (most tests first) left them for the end. A file over
 # ~8 s belongs here. The suite keeps both cores busy, except where both workers wait out
 # timeouts at once: the files that mostly wait ("wait") are placed to run beside one that
-# computes, the first ones beside test_resumable.py, the next ones beside
-# test_tensor_parallel.py (seconds: in a full run on a 2-core machine).
+# computes, the first ones beside resumable/test_resumable.py, the next ones beside
+# tensor_parallel/test_tensor_parallel.py (seconds: in a full run on a 2-core machine).
 LONGEST_FIRST = (
-    "test_resumable.py",  # ~165 s (~100 s alone)
-    "test_blame_trust.py",  # wait
-    "test_fidelity_waits.py",  # wait
-    "test_resumable_elastic.py",
-    "test_cli_launch.py",
-    "test_tensor_parallel.py",  # ~90 s
-    "test_checkpoint_trust.py",  # wait
-    "test_process_failures.py",  # wait
-    "test_rendezvous_trust.py",  # wait
-    "test_two_hosts_trust.py",  # wait, in part
-    "test_examples.py",
-    "test_compile.py",
-    "test_sharded_checkpoint.py",
-    "test_checkpoint_mp.py",
-    "test_fp8.py",
-    "test_parity.py",
-    "test_launch_trust.py",
-    "test_sharded.py",
-    "test_checkpoint_kill.py",
-    "test_fidelity_scripts.py",
-    "test_fidelity.py",
-    "test_sharded_trust.py",
-    "test_demo.py",
-    "test_launch_fn.py",
-    "test_docs.py",  # ~8 s
-    "test_foundation_mp.py",
+    "resumable/test_resumable.py",  # ~165 s (~100 s alone)
+    "group/test_blame_trust.py",  # wait
+    "group/test_fidelity_waits.py",  # wait
+    "resumable/test_resumable_elastic.py",
+    "launcher/test_cli_launch.py",
+    "tensor_parallel/test_tensor_parallel.py",  # ~90 s
+    "checkpoints/test_checkpoint_trust.py",  # wait
+    "group/test_process_failures.py",  # wait
+    "group/test_rendezvous_trust.py",  # wait
+    "group/test_two_hosts_trust.py",  # wait, in part
+    "package/test_examples.py",
+    "compile/test_compile.py",
+    "checkpoints/test_sharded_checkpoint.py",
+    "checkpoints/test_checkpoint_mp.py",
+    "precision/test_fp8.py",
+    "ranks/test_parity.py",
+    "launcher/test_launch_trust.py",
+    "sharded/test_sharded.py",
+    "checkpoints/test_checkpoint_kill.py",
+    "distributed/test_fidelity_scripts.py",
+    "distributed/test_fidelity.py",
+    "sharded/test_sharded_trust.py",
+    "package/test_demo.py",
+    "launcher/test_launch_fn.py",
+    "package/test_docs.py",  # ~8 s
+    "scopes/test_foundation_mp.py",
 )
 _TESTS = Path(__file__).resolve().parent
 
@@ -147,7 +147,7 @@ def _dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
         files.setdefault(Path(item.path), []).append(item)
 
     def key(path: Path) -> tuple[int, int]:
-        listed = rank.get(path.name) if path.parent == _TESTS else None
+        listed = rank.get(path.relative_to(_TESTS).as_posix()) if _TESTS in path.parents else None
         return (len(rank) if listed is None else listed, -len(files[path]))
 
     return [item for path in sorted(files, key=key) for item in files[path]]

@@ -1,6 +1,6 @@
 """The checkpoint wing: ``save_state`` / ``load_state`` / ``save_model`` and what they stand on.
 
-It sits above the core (it reads ``_core.state``, ``_data.iterate``, ``_distributed.blame``, ``errors``) and nothing in
+It sits above the core (it reads ``_kernel.state``, ``_data.iterate``, ``_group.blame``, ``errors``) and nothing in
 the core imports it; ``accel_ctx`` loads it on first use of one of its names, so
 ``import accel_ctx`` never pays for ``torch.distributed.checkpoint``. Its modules, each
 importing only those listed after it:

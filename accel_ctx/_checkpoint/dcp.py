@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.utils.data import DataLoader
 
-from .._core import state as _state
+from .._kernel import state as _state
 from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files

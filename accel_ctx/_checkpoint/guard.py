@@ -4,7 +4,7 @@ disk is called a full disk.
 **Arrival.** ``save_state``, ``load_state`` and ``save_model`` are collective: called on rank 0
 alone (under ``if state().is_main_process:``) their first collective would wait for ranks that
 never come, then die with gloo's "Connection closed by peer". Before any collective they meet
-through the rendezvous store, like ``_distributed.barrier``'s sync points: rank r writes
+through the rendezvous store, like ``_group.barrier``'s sync points: rank r writes
 ``n/arrived/r`` (the function it is in) and adds 1 to ``n/count``; the rank bringing the count
 to the world size writes ``n/done = "ok"``. A rank that waited longer than the arrival timeout
 writes ``n/done = "gave up: ..."`` instead (``compare_set``: whichever comes first wins), so the
@@ -36,10 +36,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._core import state as _state
-from .._distributed import barrier as _barrier
-from .._distributed import progress as _progress
-from .._distributed.keywait import KeyWait
+from .._group import barrier as _barrier
+from .._group.keywait import KeyWait
+from .._job import progress as _progress
+from .._kernel import state as _state
 from .._warn import warn_user
 from ..errors import CheckpointError, ConfigurationError, DistributedError
 

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import state as _state
 from .._data import position as _position
 from .._data import records as _loader_records
-from .._distributed.blame import collective
+from .._group.blame import collective
+from .._kernel import state as _state
 from .._options import checked, file_path, flag
 from ..errors import CheckpointError
 from . import rng

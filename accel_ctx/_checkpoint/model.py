@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._distributed.blame import collective
+from .._group.blame import collective
 from .._options import checked, file_path
 from .._warn import warn_user
 from ..errors import ConfigurationError

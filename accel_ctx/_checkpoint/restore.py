@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._core import state as _state
+from .._kernel import state as _state
 from ..errors import CheckpointError
 from . import dcp as objs
 from . import files, find, rng

@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from .._core import state as _state
-from .._core.concern import Concern, ForwardCall
-from .._core.session import Session
+from .._kernel import state as _state
+from .._kernel.concern import Concern, ForwardCall
+from .._kernel.session import Session
 from ..errors import CheckpointError
 from . import saver
 from .preempt import Preempted, Signals, requeue

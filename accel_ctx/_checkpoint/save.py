@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import state as _state
 from .._data import position as _position
-from .._distributed.blame import collective
+from .._group.blame import collective
+from .._kernel import state as _state
 from .._options import checked, file_path
 from ..errors import ConfigurationError
 from . import rng

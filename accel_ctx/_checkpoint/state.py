@@ -15,10 +15,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from .._core import state as _state
-from .._core.session import Session
 from .._data import records as _loader_records
 from .._data.position import apply_position
+from .._kernel import state as _state
+from .._kernel.session import Session
 
 
 # ---- entries carried over -----------------------------------------------------------------------

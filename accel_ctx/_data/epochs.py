@@ -9,7 +9,7 @@ batch sampler's sampler and the dataset, before the epoch draws its order.
 A loop that calls ``set_epoch`` itself keeps control, and its sampler sees exactly the epochs
 the loop gives it, however many iterators it makes and abandons (the DDP tutorial peeks at a
 batch with ``next(iter(loader))`` before its ``set_epoch(epoch)``). A call accel_ctx did not make
-is seen by the scoped patch of ``set_epoch`` on samplers and datasets (``_core.patches``), which marks
+is seen by the scoped patch of ``set_epoch`` on samplers and datasets (``_hooks.patches``), which marks
 the object as driven by the loop; an object whose ``epoch`` attribute is no longer what accel_ctx
 told it last (or, before the first epoch, is not 0) counts as driven too (a call made before any
 scope opened). Either way accel_ctx leaves it alone from then on.

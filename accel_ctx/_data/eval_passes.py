@@ -29,12 +29,13 @@ like one that counts its share: its warning says so and how to tell them apart.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
-from .._distributed.job import Job
+from .._job.job import Job
 from .._warn import warn_user
 from .shard import ShardPlan
 
@@ -214,3 +215,19 @@ def _padding_counted(pending: EvalPass, padded: int) -> str:
         "distributed(even_batches=False) (nothing repeated: reduce(...) then sums each sample "
         "once)."
     )
+
+
+def last_verdict(job: Job) -> Callable[..., bool]:
+    """The verdict on an evaluation that was the job's last loop (``_data.eval_passes``), when
+    the scope exits normally: local to each rank, it needs no other rank. Leaving by an
+    exception, the loop may not have been meant as the last: nothing said."""
+
+    def judge(exc_type: type[BaseException] | None, exc: BaseException | None,
+              tb: object) -> bool:
+        if exc is None:
+            verdict(job)
+        else:
+            drop(job)
+        return False
+
+    return judge

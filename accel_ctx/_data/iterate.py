@@ -24,9 +24,9 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from .._core import state as _state
-from .._core.session import Session
-from .._distributed.progress import here
+from .._job.progress import here
+from .._kernel import state as _state
+from .._kernel.session import Session
 from .._warn import warn_user
 from . import eval_passes as _eval_passes
 from . import order as _data_order

@@ -9,9 +9,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from .._core import state as _state
-from .._core.session import LoaderIteration
 from .._engines.join import UnevenTail
+from .._kernel import state as _state
+from .._kernel.session import LoaderIteration
 from . import eval_passes as _eval_passes
 from . import records as _records
 from .shard import EMPTY as _EMPTY

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from .._core import state as _state
+from .._kernel import state as _state
 from .._options import checked
 from .._ranks.collectives import gather_object, group_job
 from ..errors import ConfigurationError

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._core.session import Session
+from .._kernel.session import Session
 from .shard import ShardPlan
 
 RngStart = tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, ...]]

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._core.tree import iter_tensors, to_device
+from .._kernel.tree import iter_tensors, to_device
 
 
 class BatchMover:

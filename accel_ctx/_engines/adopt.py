@@ -2,7 +2,7 @@
 
 A module's first top-level call inside ``distributed()`` adopts it: it moves to the job's
 device (unless the user placed it), it and its parts get a ``ModuleRecord`` naming the root job
-as owner, and it joins the job's :class:`~accel_ctx._distributed.job.Adoption`. Optimizers made before a
+as owner, and it joins the job's :class:`~accel_ctx._job.job.Adoption`. Optimizers made before a
 move that replaced parameters are pointed at the new ones when first met. The data-parallel
 engine (``_engines.replicate``; FSDP2 next) then decides what runs.
 """
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._core import state as _state
-from .._core.tree import to_device
-from .._distributed.job import Job
+from .._job.job import Job
+from .._kernel import state as _state
+from .._kernel.tree import to_device
 from . import records as _records
 
 

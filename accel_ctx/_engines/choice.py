@@ -18,13 +18,13 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from .._core.session import Session
-from .._distributed.job import Job
+from .._job.job import Job
+from .._job.tp_plan import TensorPlan
+from .._kernel.session import Session
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import replicate as _replicate
 from . import tensor_parallel as _tensor_parallel
-from .tp_plan import TensorPlan
 
 Built = nn.parallel.DistributedDataParallel | _fsdp.ShardedEngine | None
 """The engine a top-level call runs through (None: the module itself)."""

@@ -12,7 +12,7 @@ the DDP attributes a script uses land on that module:
   is no wrapper and to use ``model`` itself (``hasattr(model, "module")`` stays False, so
   ``getattr(model, "module", model)`` keeps working).
 
-These answers come from torch's ``nn.Module.__getattr__`` (patched in ``_core.patches``), which runs
+These answers come from torch's ``nn.Module.__getattr__`` (patched in ``_hooks.patches``), which runs
 only when the normal lookup fails, and only while a scope of this thread is open: a module that
 defines such a name itself, and every module outside the scopes, behave as in torch.
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 from torch import nn
 
-from .._core import state as _state
+from .._kernel import state as _state
 
 # id(module) -> (module, nesting depth of its no_sync() blocks); an entry goes with its module
 _paused: dict[int, tuple[weakref.ref[nn.Module], int]] = {}

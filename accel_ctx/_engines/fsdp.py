@@ -11,7 +11,7 @@ one process would), and each block is sharded as soon as it is complete: no rank
 more than the root's own parameters and one block in full.
 
 ``fully_shard`` replaces the parameters with sharded ones; the old ones are recorded in the
-job's :class:`~accel_ctx._distributed.job.Adoption` so that every optimizer, made before or after, is
+job's :class:`~accel_ctx._job.job.Adoption` so that every optimizer, made before or after, is
 pointed at the new ones (``_engines.adopt.adopt_optimizer``), its existing state sharded alike.
 """
 
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._core import state as _state
-from .._core.session import Session
-from .._distributed.job import Job
+from .._job.job import Job
+from .._kernel import state as _state
+from .._kernel.session import Session
 from ..errors import ConfigurationError, DistributedError
 from . import adopt as _adopt
 from . import records as _records

@@ -20,6 +20,7 @@ loops with neither are left alone. Join costs its collectives in that one round 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,11 +28,16 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from typing_extensions import override
 
-from .._distributed.job import Adoption, Job
+from .._job.job import Adoption, Job
 from ..errors import ConfigurationError, DistributedError
 from . import records as _records
 
 LAST_FORWARD = "_accel_ctx_last_forward"  # in a DDP engine's __dict__: its last forward's number
+
+
+def _no_gather_yet(job: Any, obj: Any, padding: bool) -> Any:
+    """The Join replays gathers only after a ``note_gather``, which sets the real one."""
+    raise AssertionError("a gather_for_metrics replay before any note_gather")
 
 
 class UnevenTail:
@@ -50,6 +56,7 @@ class UnevenTail:
         self._gather_index = -1
         self._tail_batch: int | None = None  # this rank's batch of the incomplete round
         self._notified = -1
+        self.regather: Callable[[Any, Any, bool], Any] = _no_gather_yet  # set by note_gather
 
     def _engines_used(self) -> list[Any]:
         engines = []
@@ -60,8 +67,10 @@ class UnevenTail:
                 engines.append((engine.__dict__[LAST_FORWARD], engine))
         return [engine for _, engine in sorted(engines, key=lambda pair: pair[0])]
 
-    def note_gather(self, obj: Any, batch: int) -> None:
+    def note_gather(self, obj: Any, batch: int, regather: Callable[[Any, Any, bool], Any]
+                    ) -> None:
         """A gather_for_metrics call for ``batch``: remembered, or announced to the Join."""
+        self.regather = regather  # _ranks.evaluation's gather, for the Join's replays
         if self._tail_batch is None or batch != self._tail_batch:
             if batch != self._gather_index:
                 self.gathers, self._gather_index = [], batch
@@ -167,7 +176,5 @@ class _MetricsHook(JoinHook):
     @override
     def main_hook(self) -> None:
         """Repeat this rank's calls of its last batch, flagged as padding (dropped)."""
-        from .._ranks.evaluation import _gather
-
         for obj in self.tail.gathers:
-            _gather(self.tail.job, obj, True)
+            self.tail.regather(self.tail.job, obj, True)

@@ -12,7 +12,7 @@ import weakref
 
 from torch import nn
 
-from .._core.concern import Engine
+from .._kernel.concern import Engine
 
 
 class ModuleRecord:

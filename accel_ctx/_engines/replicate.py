@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._core import state as _state
-from .._core.session import Session
-from .._distributed.job import Job
+from .._job.comm_hook import torch_hook
+from .._job.job import Job
+from .._kernel import state as _state
+from .._kernel.session import Session
 from .._warn import warn_user
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
-from .comm_hook import torch_hook
 from .join import LAST_FORWARD, refuse_forward
 
 _BUFFER_SYNC_FLAG = (

@@ -24,16 +24,16 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from .._core import state as _state
-from .._core.session import Session
-from .._distributed.job import Job
+from .._job.job import Job
+from .._job.tp_plan import EXAMPLE, SPLITS, TensorPlan, matches
+from .._kernel import state as _state
+from .._kernel.session import Session
 from .._warn import warn_user
 from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
-from .tp_plan import EXAMPLE, SPLITS, TensorPlan, matches
 from .tp_styles import layout
 
 # attributes that count attention heads, in the modules on the way to a planned layer

@@ -30,16 +30,16 @@ import weakref
 import torch
 from torch import nn
 
-from .._core import state as _state
-from .._core.session import Session
-from .._distributed.job import Job
+from .._job.job import Job
+from .._kernel import state as _state
+from .._kernel.session import Session
 from . import adopt as _adopt
 from . import records as _records
 from .choice import EngineChoice
 
 TOUCHES = ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict",
            "load_state_dict")
-"""The ``nn.Module`` methods that count as a touch (patched in ``_core.patches``)."""
+"""The ``nn.Module`` methods that count as a touch (patched in ``_hooks.patches``)."""
 
 _parents: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
 _busy = threading.local()

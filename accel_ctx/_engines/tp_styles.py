@@ -35,9 +35,9 @@ from torch.distributed.tensor.parallel import (
 )
 from typing_extensions import override
 
-from .._core import state as _state
+from .._job.tp_plan import EXAMPLE, SPLITS
+from .._kernel import state as _state
 from ..errors import ConfigurationError
-from .tp_plan import EXAMPLE, SPLITS
 
 _GATHERED = ("colwise_rep", "colwise_gather_output", "embedding_colwise")
 _SEQUENCE_EXAMPLE = ('tp_plan={"wte": "rowwise", "layers.*.ln_1": "sequence_parallel", ..., '

@@ -1,6 +1,6 @@
 """The launcher wing: ``launch(fn)`` and the ``accel-ctx`` commands, beside the core.
 
-It imports no core module, only leaves (``errors``, ``_distributed.env``, ``_precision.names``,
+It imports no core module, only leaves (``errors``, ``_job.env``, ``_precision.names``,
 ``_options``), so the ``accel-ctx`` commands and ``launch()`` never load the scopes.
 ``accel_ctx.launch`` loads :mod:`.fn` on first use; ``accel_ctx.cli`` loads the rest.
 

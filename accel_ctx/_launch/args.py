@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._distributed import env as _env
+from .._job import env as _env
 from ..errors import ConfigurationError
 from . import config as _config
 from . import netif as _netif

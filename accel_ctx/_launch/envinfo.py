@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .._distributed import env as _env
+from .._job import env as _env
 from ..errors import AccelCtxError
 from . import config as _config
 

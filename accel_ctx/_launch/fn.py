@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, Literal, TypeVar
 
-from .._distributed import env as _env
+from .._job import env as _env
 from .._options import checked, positive
 from ..errors import ConfigurationError
 from .children import GRACE_S, child, collect, stop

@@ -20,7 +20,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._distributed import env as _env
+from .._job import env as _env
 from .._precision.names import POLICIES, canonical
 from ..errors import ConfigurationError
 from .nproc import MAX_NPROC_VAR

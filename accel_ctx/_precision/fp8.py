@@ -34,9 +34,9 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from .._core import state as _state
-from .._core.concern import ForwardCall
-from .._core.session import Session
+from .._kernel import state as _state
+from .._kernel.concern import ForwardCall
+from .._kernel.session import Session
 from .._warn import warn_user
 from ..errors import ArgumentError, ConfigurationError
 from .runtime import PrecisionPolicy, PrecisionRuntime

@@ -19,7 +19,7 @@ from typing import Any, cast
 import torch
 from torch.amp.grad_scaler import OptState
 
-from .._core.session import Session
+from .._kernel.session import Session
 
 OWN_SCALER = "_accel_ctx_scaler"
 """Marks the GradScaler a scope runs, which the GradScaler patches leave alone."""

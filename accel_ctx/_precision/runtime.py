@@ -25,11 +25,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from .._core import state as _state
-from .._core.concern import Concern, ForwardCall, Grads
-from .._core.session import Session
-from .._core.tree import cast_floating
-from .._distributed import env as _env
+from .._job import env as _env
+from .._kernel import state as _state
+from .._kernel.concern import Concern, ForwardCall, Grads
+from .._kernel.session import Session
+from .._kernel.tree import cast_floating
 from .._warn import warn_user
 from ..errors import ConfigurationError
 from .loss_scale import LossScaler

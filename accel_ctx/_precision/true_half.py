@@ -21,11 +21,11 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from .._core import state as _state
-from .._core.concern import ForwardCall
-from .._core.session import Session
-from .._core.tree import cast_floating, map_tensors, to_device
 from .._engines import records as _records
+from .._kernel import state as _state
+from .._kernel.concern import ForwardCall
+from .._kernel.session import Session
+from .._kernel.tree import cast_floating, map_tensors, to_device
 from .._warn import warn_user
 from ..errors import ConfigurationError
 from .runtime import AUTO, PrecisionPolicy, PrecisionRuntime

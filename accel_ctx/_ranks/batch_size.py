@@ -20,12 +20,12 @@ from typing import Any, Concatenate, TypeVar, overload
 
 from typing_extensions import ParamSpec
 
-from .._core import state as _state
-from .._distributed.barrier import Watch, look_interval, store_and_prefix, whereabouts
-from .._distributed.keywait import KeyWait
-from .._distributed.progress import BACKWARD
-from .._distributed.progress import read as read_progress
 from .._engines import adopt as _adopt
+from .._group.barrier import Watch, look_interval, store_and_prefix, whereabouts
+from .._group.keywait import KeyWait
+from .._job.progress import BACKWARD
+from .._job.progress import read as read_progress
+from .._kernel import state as _state
 from .._options import checked
 from ..errors import AccelCtxError, ConfigurationError, DistributedError
 
@@ -83,7 +83,7 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
     """Every rank's verdict on this attempt; True if any rank ran out of memory.
 
     While it waits for the others' verdicts it looks about once a second for a rank that will
-    never give one (see ``_distributed.barrier.Watch``): a rank whose process died, or one blocked in a
+    never give one (see ``_group.barrier.Watch``): a rank whose process died, or one blocked in a
     collective (which waits for this rank) names that rank at once; a rank that ran out of
     memory while another went on into a collective names itself.
     """

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .._core.tree import iter_tensors, map_tensors
-from .._distributed import debug as _debug
-from .._distributed.blame import collective
+from .._group import debug as _debug
+from .._group.blame import collective
+from .._kernel.tree import iter_tensors, map_tensors
 from .._options import checked
 from ..errors import ConfigurationError
 from .collectives import group_job
 from .exchange import header, of_call, pickled
 
 if TYPE_CHECKING:
-    from .._distributed.job import Job
+    from .._job.job import Job
 
 T = TypeVar("T")
 _ADVICE = "Give every rank the same src (a rank number, not `state().rank`)."

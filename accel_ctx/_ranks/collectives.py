@@ -2,14 +2,14 @@
 
 Each reads the process group of the innermost ``distributed()`` scope when called. In a single
 process (outside ``distributed()``, or a world of one) each returns its input itself, copying
-nothing. Structures are tuples, lists, dicts, namedtuples and dataclasses (walked by ``_core.tree``),
+nothing. Structures are tuples, lists, dicts, namedtuples and dataclasses (walked by ``_kernel.tree``),
 rebuilt with their own types. Tensors travel where the backend takes them: CPU tensors through
 gloo, CUDA tensors through NCCL; with an NCCL-only group, CPU tensors go through the job's
 device and come back to the CPU. With several processes, gather and reduce return new tensors
 without autograd history (broadcast too, except on ``src``, which gets its input back).
 
 In debug mode (``distributed(debug=True)`` or ``ACCEL_CTX_DEBUG=1``) each collective first
-checks, with the other ranks, that the calls fit together (see ``_distributed.debug``).
+checks, with the other ranks, that the calls fit together (see ``_group.debug``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from .._core import state as _state
-from .._core.tree import iter_tensors, map_tensors
-from .._distributed import debug as _debug
-from .._distributed.blame import collective
+from .._group import debug as _debug
+from .._group.blame import collective
+from .._kernel import state as _state
+from .._kernel.tree import iter_tensors, map_tensors
 from .._options import checked, flag, whole
 from ..errors import ConfigurationError
 from .exchange import describe, exchange, of_call
@@ -34,7 +34,7 @@ from .reduce import reduce_tensors
 from .skeleton import fill, merge, rebuild_mapping, rebuild_sequence
 
 if TYPE_CHECKING:
-    from .._distributed.job import Job
+    from .._job.job import Job
 
 T = TypeVar("T")
 ReduceOp = Literal["sum", "mean", "max", "min"]

@@ -12,11 +12,11 @@ import torch
 from torch.utils.data import Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-from .._core import state as _state
-from .._core.session import LoaderIteration
-from .._core.tree import iter_tensors, map_tensors
-from .._distributed import debug as _debug
-from .._distributed.blame import collective
+from .._group import debug as _debug
+from .._group.blame import collective
+from .._kernel import state as _state
+from .._kernel.session import LoaderIteration
+from .._kernel.tree import iter_tensors, map_tensors
 from .._options import checked, flag
 from ..errors import ConfigurationError
 from .collectives import _ADVICE, gather_tensor, group_job, meta_device, travel_type
@@ -76,7 +76,7 @@ def gather_for_metrics(obj: T) -> T:
     # The ranks of a tensor-parallel group evaluate the same batch: one of them speaks for it.
     padding = padding or job.coordinates.tp_rank != 0
     if iteration is not None and iteration.uneven is not None:
-        iteration.uneven.note_gather(obj, iteration.index)  # even_batches=False: see _join
+        iteration.uneven.note_gather(obj, iteration.index, _gather)  # even_batches=False: see _join
     if iteration is not None and _sampler_padded(iteration):
         obj = _drop_last_sample(obj)
     return _gather(job, obj, padding)

@@ -35,7 +35,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from .._distributed.job import Job
+from .._job.job import Job
 from ..errors import ConfigurationError, DistributedError
 from .skeleton import Slot, holds, rebuild_mapping, rebuild_sequence
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from typing_extensions import override
 
-from .._core import state as _state
+from .._kernel import state as _state
 from .._options import checked, flag, text
 from ..errors import ConfigurationError
 

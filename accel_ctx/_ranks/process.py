@@ -14,7 +14,7 @@ exception, within moments. The failure is fatal to the job even if the failing r
 exception and goes on (it raises at that point too): handle recoverable errors inside the
 function. Code that fails under a plain ``if state().is_main_process:`` is not announced by
 itself, but the exception leaving ``distributed()`` is (and a collective the others wait in
-fails, naming this rank: see ``_distributed.blame``).
+fails, naming this rank: see ``_group.blame``).
 
 Collectives inside rank-only code: while a decorated function runs on its chosen ranks (unless
 those are all the ranks), and while the first rank runs a ``main_process_first()`` block, the
@@ -36,9 +36,9 @@ from typing import Any, TypeVar, cast, overload
 import wrapt
 from typing_extensions import ParamSpec
 
-from .._core import state as _state
-from .._distributed import barrier as _barrier
-from .._distributed.job import Job
+from .._group import barrier as _barrier
+from .._job.job import Job
+from .._kernel import state as _state
 from .._options import checked
 from .._warn import warn_user
 from ..errors import ConfigurationError

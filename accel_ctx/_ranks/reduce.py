@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._distributed.job import Job
+from .._job.job import Job
 from .exchange import FIXED, INLINE, Described, header
 
 _FLOATS = {torch.float64, torch.float32, torch.float16, torch.bfloat16}

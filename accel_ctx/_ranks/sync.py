@@ -1,6 +1,6 @@
 """Sync points: ``wait_for_everyone()`` and ``main_process_first()``.
 
-Both wait through ``_distributed.debug.barrier``, which knows about failures (a rank that failed in
+Both wait through ``_group.debug.barrier``, which knows about failures (a rank that failed in
 rank-only code, left ``distributed()`` or died is named at once, not at the timeout).
 """
 
@@ -9,9 +9,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .._core import state as _state
-from .._distributed import blame as _blame
-from .._distributed import debug as _debug
+from .._group import blame as _blame
+from .._group import debug as _debug
+from .._kernel import state as _state
 from .._options import checked, flag
 from .process import announce, position
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._core import state as _state
+from .._kernel import state as _state
 from .._options import checked, file_path, positive, text, unknown_option, whole
 from .._warn import warn_user
 from ..errors import ConfigurationError

@@ -21,7 +21,7 @@ import torch
 from torch.nn.utils import clip_grad as _stock
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
-from .._core import state as _state
+from .._kernel import state as _state
 from .._options import checked, flag
 from ..errors import ConfigurationError
 

@@ -1,4 +1,4 @@
-"""Run by `accel-ctx launch` in tests/test_fidelity_waits.py (issue #23, point 9).
+"""Run by `accel-ctx launch` in tests/group/test_fidelity_waits.py (issue #23, point 9).
 
 usage: fidelity_waits.py rank_only     rank 0 works alone for 60 s (rank-only code); rank 1
                                        waits for it in wait_for_everyone() and times out first
@@ -15,7 +15,7 @@ import time
 import torch
 
 from accel_ctx import distributed, state, wait_for_everyone
-from accel_ctx._distributed import progress as _progress
+from accel_ctx._job import progress as _progress
 
 mode = sys.argv[1]
 if mode == "rank_only":

@@ -1,4 +1,4 @@
-"""Run by `accel-ctx launch -n 2 --max-restarts K` in tests/test_resumable_shape.py: the common
+"""Run by `accel-ctx launch -n 2 --max-restarts K` in tests/resumable/test_resumable_shape.py: the common
 shape of a training script, in resumable(), killed by itself at given steps.
 
 usage: resumable_shape.py CKPT_DIR OUT_DIR ENGINE WORKERS

@@ -1,4 +1,4 @@
-"""Run by `accel-ctx launch -n 2 --max-restarts K` in tests/test_resumable.py: a plain loop in
+"""Run by `accel-ctx launch -n 2 --max-restarts K` in tests/resumable/test_resumable.py: a plain loop in
 resumable(), with no resume code, killed and restarted by the test.
 
 usage: resumable_train.py CKPT_DIR OUT_DIR [EVERY_STEPS] [ENGINE]

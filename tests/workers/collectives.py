@@ -20,7 +20,7 @@ from accel_ctx import (
     split_between_processes,
     state,
 )
-from accel_ctx._core.tree import map_tensors, to_device
+from accel_ctx._kernel.tree import map_tensors, to_device
 
 
 class Pair(NamedTuple):

@@ -1,4 +1,4 @@
-"""Workers of tests/test_fidelity_engines.py: sharded models whose parameters mix dtypes."""
+"""Workers of tests/accumulation/test_fidelity_engines.py: sharded models whose parameters mix dtypes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Workers for tests/test_fidelity_options.py: options refused on real ranks (issue #23, 10-11)."""
+"""Workers for tests/scopes/test_fidelity_options.py: options refused on real ranks (issue #23, 10-11)."""
 
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ def out_of_memory_before_forward(timeout: float) -> dict[str, Any]:
 def leave_at_step_five(how: str) -> dict[str, Any]:
     """Rank 1 ends its process at step 5; its heartbeat is starved (as on a busy machine): it
     publishes once, as the scope begins, and never again."""
-    from accel_ctx._distributed import progress as _progress
+    from accel_ctx._job import progress as _progress
 
     if int(os.environ["RANK"]) == 1:
         _progress.INTERVAL_S = 3600.0

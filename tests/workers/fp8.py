@@ -173,7 +173,7 @@ def saved_model_loads_plain(kind: str, path: Path) -> dict[str, Any]:
 
 
 def two_ranks(folder: str) -> dict[str, Any]:
-    """Every multi-process check of tests/test_fp8.py, in one spawned run of 2 ranks."""
+    """Every multi-process check of tests/precision/test_fp8.py, in one spawned run of 2 ranks."""
     root = Path(folder)
     out: dict[str, Any] = {}
     # the bf16 reference once (DDP): sharded() trains the same model on the same batches

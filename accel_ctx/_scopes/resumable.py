@@ -1,0 +1,300 @@
+"""``resumable()``: a run that is killed at any moment carries on by itself from its last save.
+
+The scope finds the newest complete checkpoint in its folder on entry and restores each object
+as the loop meets it; it saves at step boundaries every ``every_steps`` steps and/or
+``every_minutes``, on SIGTERM/SIGUSR1 (then exits to be restarted), and when the run ends. The
+runtime is ``resume_run``; the checkpoint's reading ``restore``; the signals ``preempt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from typing_extensions import override
+
+from .._checkpoint import dcp as objs
+from .._checkpoint import files, find, guard
+from .._checkpoint.restore import META, Checkpoint, is_loader, new_group
+from .._checkpoint.resume_run import ResumeRuntime
+from .._hooks.scope import Scope, _Entry
+from .._kernel import state as _state
+from .._kernel.concern import Concern
+from .._options import checked, file_path, positive, whole
+from ..errors import CheckpointError, ConfigurationError
+
+__all__ = ["resumable"]
+
+RUN_LOCK = ".run.lock"
+
+
+@checked
+class resumable(Scope):
+    """Make the run resumable: restore on entry, save at step boundaries, survive a kill.
+
+    The scope's folder keeps the run's checkpoints (``save_state``'s format, the newest
+    ``keep_last``). On entry it finds the newest complete one (none: a fresh start, said once)
+    and restores each object as the loop meets it, before it is used: models at their first
+    forward (after adoption, so moved or sharded as they train), optimizers just before their
+    first step, LR schedulers at their first ``step()``, DataLoaders at ``iter()`` (the epoch
+    goes on with the first batch it had not trained on, in the same order), the RNG streams and
+    the loss scale and accumulation state at the first batch, forward or step (after the
+    script's own ``torch.manual_seed``). Objects are keyed by the order the same script meets
+    them (``model0``, ``optimizer0``, ``scheduler0``, loaders by first iteration) and anything
+    else is named with :meth:`track`; an object that does not match its saved state is refused
+    with a ``CheckpointError`` naming both.
+
+    It saves every ``every_steps`` optimizer steps and/or ``every_minutes``, on every rank, at
+    a step boundary: the next batch fetched (or forward) after ``opt.step()``, so never inside
+    an accumulation group nor between ``opt.step()`` and ``sched.step()``. A failed save
+    (a full disk) warns and training goes on. SIGTERM or SIGUSR1 on any rank makes every rank
+    save at the next boundary and exit with code 128 + the signal's number, which
+    ``accel-ctx launch --max-restarts K`` (and a SLURM requeue) restarts; the restarted run
+    continues with the same weights, optimizer state, data order and random streams as if it
+    had never stopped (same number of processes: bit-identical). A run that ends normally
+    leaves a final checkpoint; starting the finished script again takes no step and says so.
+
+    Args:
+        folder: where the checkpoints live; one run (one script) per folder.
+        every_steps: save after every so many optimizer steps (None: not by steps).
+        every_minutes: save at the first boundary after so many minutes since the last save.
+        keep_last: how many checkpoints to keep (>= 1).
+
+    Examples:
+        >>> import tempfile, torch
+        >>> from accel_ctx import distributed, resumable
+        >>> folder = tempfile.mkdtemp()
+        >>> def train():
+        ...     with distributed(), resumable(folder, every_steps=2) as run:
+        ...         model = torch.nn.Linear(4, 1)
+        ...         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...         for epoch in run.epochs(2):
+        ...             for x in torch.ones(3, 2, 4):
+        ...                 model(x).sum().backward(); opt.step(); opt.zero_grad()
+        ...         return run.step
+        >>> train()
+        6
+        >>> train()  # finished: nothing left to run
+        6
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], every_steps: int | None = None,
+                 every_minutes: float | None = None, keep_last: int = 2) -> None:
+        super().__init__()
+        file_path("resumable", "folder", folder)
+        if every_steps is not None:
+            whole("resumable", "every_steps", every_steps, 1,
+                  "give a number of optimizer steps >= 1, or None.")
+        if every_minutes is not None:
+            positive("resumable", "every_minutes", every_minutes,
+                     "give a positive number of minutes, or None.")
+        whole("resumable", "keep_last", keep_last, 1,
+              "give how many checkpoints to keep, a whole number >= 1.")
+        self._folder = Path(folder)
+        self._every_steps = every_steps
+        self._every_minutes = every_minutes
+        self._keep_last = keep_last
+        self._ended: ResumeRuntime | None = None
+
+    # ---- the scope -----------------------------------------------------------------------------
+    @override
+    def _open(self, exits: ExitStack) -> Concern:
+        runtime = ResumeRuntime(self._folder, self._every_steps, self._every_minutes,
+                                self._keep_last)
+
+        def close(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+            try:
+                runtime.close(exc)
+            finally:
+                _leave(runtime)
+                self._ended = runtime  # read after the block: `print(run.step)`
+            return False
+
+        exits.push(close)
+        return runtime
+
+    @override
+    def _activate(self, entry: _Entry) -> None:
+        super()._activate(entry)
+        runtime = entry.frame.runtimes[0]
+        assert isinstance(runtime, ResumeRuntime) and entry.stack is not None
+        if runtime.opened:
+            return  # a decorated generator resumed
+        try:
+            _enter(runtime, entry.stack)
+        except BaseException:
+            _leave(runtime)
+            _state.pop(entry.stack, entry.token)  # type: ignore[arg-type]
+            entry.stack = entry.token = None
+            raise
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def _runtime(self, after_the_block: bool = False) -> ResumeRuntime:
+        thread = _state._get_ident()
+        for entry in reversed(self._entries):
+            if entry.thread == thread and isinstance(entry.frame.runtimes[0], ResumeRuntime):
+                return entry.frame.runtimes[0]
+        if after_the_block and self._ended is not None:
+            return self._ended  # what the run ended with, read only
+        raise ConfigurationError(
+            "resumable(): use the run inside its `with resumable(...) as run:` block (after "
+            "it, only run.step, run.resumed, run.finished, run.checkpoint and run.values can "
+            "be read).")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed, restored on entry (a step-based loop:
+        ``while run.step < max_steps``). In a loop that iterates no DataLoader, reading it is
+        the step boundary (a save may happen there) and, after a restart, the first read
+        restores the RNG streams: read it at the top of the loop, after the model is built."""
+        runtime = self._runtime(after_the_block=True)
+        if runtime.opened:
+            runtime.step_read()
+        return runtime.session.step
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the run continues from a checkpoint."""
+        return self._runtime(after_the_block=True).checkpoint is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run had already ended: its loop takes no step, and objects it never
+        meets are not restored (track the ones the code after the loop uses)."""
+        return self._runtime(after_the_block=True).meta.finished
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The checkpoint folder the run resumed from (None: a fresh start)."""
+        found = self._runtime(after_the_block=True).checkpoint
+        return found.folder if found is not None else None
+
+    @property
+    def values(self) -> dict[str, Any]:
+        """The plain values given to :meth:`track`, as restored (update them in place)."""
+        return self._runtime(after_the_block=True).meta.values
+
+    def epochs(self, n: int) -> Iterator[int]:
+        """The epochs left of ``n``: ``range(n)`` on a fresh start, from the saved epoch after a
+        restart (whose DataLoader goes on with the batches that epoch had not seen)."""
+        whole("run.epochs", "n", n, 0)
+        runtime = self._runtime()
+        meta = runtime.meta
+        for epoch in range(runtime.start_epoch(), n):
+            meta.next_epoch = epoch
+            yield epoch
+            meta.next_epoch = epoch + 1
+
+    def track(self, **objects: Any) -> None:
+        """Save and restore more objects, by name: anything with ``state_dict`` /
+        ``load_state_dict`` (an EMA model, a GradScaler, a metric), DataLoaders, and plain
+        values (numbers, strings, lists, dicts: read and update them in ``run.values``).
+        Objects are restored at once (optimizers at their first step)."""
+        runtime = self._runtime()
+        for name, obj in objects.items():
+            if name == META or name.rstrip("0123456789") in runtime.met:
+                raise ConfigurationError(
+                    f"run.track({name}=...): {name!r} is a name resumable() gives itself; "
+                    "choose another one.")
+            if callable(getattr(obj, "state_dict", None)) or is_loader(obj):
+                if is_loader(obj):
+                    _track_loader(runtime, name, obj)
+                runtime.track(name, obj)
+                continue
+            try:
+                json.dumps(obj)
+            except (TypeError, ValueError):
+                raise ConfigurationError(
+                    f"run.track({name}=...): a {type(obj).__name__} has no state_dict(); give "
+                    "objects with state_dict()/load_state_dict() or plain values (numbers, "
+                    "strings, lists, dicts)."
+                ) from None
+            runtime.meta.values.setdefault(name, obj)
+
+
+def _track_loader(runtime: ResumeRuntime, name: str, loader: Any) -> None:
+    from .._data import records
+    from .._data.position import apply_position
+
+    checkpoint = runtime.checkpoint
+    if checkpoint is None:
+        return
+    saved = checkpoint.shared["loaders"]
+    generators = (checkpoint.mine or files.load_torch(
+        checkpoint.folder / files.rank_file(0)))["generators"]
+    for entry, generator in zip(saved, generators, strict=True):
+        if entry["name"] == name:
+            apply_position(loader, records.loader_record(loader), entry, generator)
+
+
+def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
+    """Every rank: the folder (rank 0 checks it can write there and holds it), the group for
+    the boundaries' agreement, the newest checkpoint, the signal handlers."""
+    rank, world = objs.rank_world()
+    root = runtime.folder
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            files.make_root(root)
+            lock = guard.FolderLock(root)
+            lock.path = root / RUN_LOCK
+            try:
+                runtime.lock = lock.acquire()
+            except CheckpointError:
+                raise CheckpointError(
+                    f"resumable({root}): another run is using this folder ({lock._held()}). "
+                    "Two runs in one folder would resume and rotate out each other's "
+                    "checkpoints: give each run its own folder."
+                ) from None
+            probe = root / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except CheckpointError as exc:
+            error = exc
+        except OSError as exc:
+            error = CheckpointError(
+                f"resumable({root}): cannot write checkpoints there ({exc}). Give a folder "
+                "this job can write to.")
+    objs.agree(error, f"open the run folder {root}")
+    job = stack.job
+    group = new_group(world, job.options.timeout if job is not None else None)
+    runtime.group = group
+    runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
+    folder = find.choose(root, rank, world, False)
+    checkpoint = Checkpoint(folder, rank, world) if folder is not None else None
+    # Before the restore: a signal while it runs is kept for the first boundary (a kill
+    # while restoring would lose nothing, but could not say why it ended).
+    runtime.uninstall = runtime.signals.install()
+    runtime.open(stack, checkpoint, group, rank, world)
+    if checkpoint is not None and rank == 0 and not runtime.meta.finished:  # it said so
+        from .._checkpoint.resume_run import log
+
+        log.warning("resumable(%s): resuming from %s (step %d, epoch %d)%s", root,
+                    checkpoint.folder.name, checkpoint.step, checkpoint.epoch,
+                    "" if checkpoint.same_world else
+                    f"; resumed on {world} processes, the checkpoint was written by "
+                    f"{checkpoint.saved_world}: the data not yet seen is split among {world}, so "
+                    "the run continues correctly but not bit-identically")
+
+
+def _leave(runtime: ResumeRuntime) -> None:
+    uninstall = runtime.uninstall
+    if uninstall is not None:
+        runtime.uninstall = None
+        uninstall()
+    lock = runtime.lock
+    if lock is not None:
+        runtime.lock = None
+        lock.release()
+    groups = [g for g in (runtime.group, runtime.saver.group) if g is not None]
+    runtime.group = runtime.saver.group = None
+    if groups:
+        import torch.distributed as dist
+
+        for group in groups:
+            if dist.is_initialized():
+                dist.destroy_process_group(group)

@@ -1,0 +1,122 @@
+"""``sharded()``: train models that do not fit one device, with the loop unchanged (FSDP2)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+
+from torch import nn
+from typing_extensions import Unpack, override
+
+from .._engines.fsdp import BlockSpec, ShardingPlan
+from .._hooks.scope import Scope
+from .._job.options import DistributedOptions, Options, parse_options
+from .._kernel.concern import Concern
+from .._options import checked, flag
+from ..errors import ConfigurationError
+from .distributed import DistributedRuntime, open_runtime
+
+__all__ = ["sharded"]
+
+
+_OWN = ("blocks", "reshard_after_forward", "cpu_offload", "shard_size", "hybrid")
+
+
+@checked
+class sharded(Scope):
+    """Shard the parameters, gradients and optimizer states of the models over the ranks.
+
+    Inside the scope a model's first call shards it with torch's FSDP2 (``fully_shard``), or,
+    where the script touches the model before that (``model.parameters()`` for an optimizer,
+    ``state_dict()``, ``load_state_dict()``, DCP's ``get_model_state_dict``/``set_model_state_dict``),
+    that first touch does, so the script sees DTensors as after a hand-written ``fully_shard``: each
+    block on its own (found automatically: the repeated children of a ``ModuleList`` or
+    ``Sequential``, e.g. transformer layers; or given by ``blocks``), then the whole model.
+    Every rank starts from rank 0's weights; optimizers made before or after follow the model
+    to its sharded parameters, with their settings and state. The rest of the loop is as under
+    ``distributed()``, which ``sharded()`` opens itself when no job is open yet:
+    ``mixed_precision("bf16")`` gathers the parameters in bf16 and reduces gradients in fp32
+    (FSDP2's ``MixedPrecisionPolicy``, fixed when the model is sharded); ``accumulate()`` and
+    ``no_sync()`` skip the reduce-scatter between boundaries; ``clip_grad_norm_`` clips by the
+    global norm; ``save_state`` writes each rank's shards and loads onto any number of ranks;
+    ``save_model`` gathers the full weights to rank 0.
+
+    ``model`` stays the same object with the same ``state_dict()`` keys, but its class becomes
+    FSDP2's subclass of yours (``isinstance`` still holds) and its parameters become shards
+    (``DTensor``): read full weights with ``save_model`` inside the scope. The model stays
+    sharded after the scope ends, on a process group that is gone: use it inside the scope.
+
+    A model built on ``torch.device("meta")`` gets its memory and values after sharding: each
+    module's ``reset_parameters()`` runs in module order, from rank 0's random stream, and each
+    block is sharded as soon as it is made, so no rank ever holds the whole model.
+
+    Args:
+        blocks: the classes of the submodules to shard on their own, or a predicate
+            ``fn(module) -> bool``; None finds the repeated layers.
+        reshard_after_forward: free the gathered parameters after each block's forward (and
+            gather again in backward): less memory, more communication. An int reshards to
+            groups of that many ranks (FSDP2's option).
+        cpu_offload: keep the shards, gradients and optimizer step on the CPU (GPU jobs).
+        shard_size: shard each copy of the model over this many ranks and replicate the copies
+            (HSDP; under ``tp``, data-parallel ranks); None shards over all ranks.
+        hybrid: HSDP with one copy per machine (``shard_size`` = processes per node; with
+            ``tp``, its data-parallel ranks: processes per node / ``tp``).
+        **options: ``distributed()`` options, used when this scope forms the job.
+
+    Examples:
+        >>> import torch
+        >>> from accel_ctx import distributed, sharded, state
+        >>> with distributed(), sharded():
+        ...     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     model(torch.randn(3, 4)).sum().backward()
+        ...     opt.step()
+        ...     print(state().world_size)
+        1
+    """
+
+    def __init__(self, *, blocks: Sequence[type[nn.Module]] | type[nn.Module]
+                 | Callable[[nn.Module], bool] | None = None,
+                 reshard_after_forward: bool | int = True, cpu_offload: bool = False,
+                 shard_size: int | None = None, hybrid: bool = False,
+                 **options: Unpack[Options]) -> None:
+        super().__init__()
+        self.options: DistributedOptions = parse_options(options, "sharded", _OWN)
+        self.plan = ShardingPlan(_blocks(blocks), _reshard(reshard_after_forward),
+                                 flag("sharded", "cpu_offload", cpu_offload),
+                                 _shard_size(shard_size), flag("sharded", "hybrid", hybrid))
+
+    @override
+    def _open(self, exits: ExitStack) -> DistributedRuntime | tuple[Concern, ...]:
+        return open_runtime(self.options, exits, self.plan)
+
+
+def _blocks(blocks: object) -> BlockSpec:
+    if blocks is None:
+        return None
+    if isinstance(blocks, type):
+        blocks = [blocks]
+    if isinstance(blocks, (list, tuple, set, frozenset)):
+        classes = tuple(blocks)
+        if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+            return classes
+    elif callable(blocks):
+        return blocks
+    raise ConfigurationError(
+        f"sharded(blocks={blocks!r}): give the module classes to shard on their own "
+        "(blocks=[MyBlock]), a function module -> bool, or None to find the repeated layers.")
+
+
+def _reshard(value: object) -> bool | int:
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return value
+    raise ConfigurationError(
+        f"sharded(reshard_after_forward={value!r}): give True, False, or a number of ranks >= 1.")
+
+
+def _shard_size(value: object) -> int | None:
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ConfigurationError(
+        f"sharded(shard_size={value!r}): give a number of ranks >= 1 that divides the world "
+        "size, or None to shard over every rank.")

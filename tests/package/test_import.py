@@ -1,0 +1,79 @@
+"""`import accel_ctx` stays cheap: the checkpoint and launcher wings load on first use."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import accel_ctx
+
+from .._timeouts import scaled
+
+
+def test_every_public_name_resolves_under_the_public_module():
+    for name in accel_ctx.__all__:
+        value = getattr(accel_ctx, name)
+        if name != "errors":
+            assert value.__module__ == "accel_ctx", name
+
+
+def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded():
+    code = (
+        "import sys, accel_ctx\n"
+        "wings = [m for m in sys.modules if m.startswith(('accel_ctx._checkpoint', "
+        "'accel_ctx._launch'))]\n"
+        "assert not wings, wings\n"
+        "from accel_ctx import save_state, launch\n"
+        "assert 'accel_ctx._checkpoint' in sys.modules and 'accel_ctx._launch' in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=scaled(120))
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_commands_help_and_config_import_no_torch(tmp_path):
+    code = (
+        "import sys, contextlib, io\n"
+        "from accel_ctx.cli import main\n"
+        "for argv in (['--help'], ['launch', '--help'], ['launch', '-n', '2', '--help'],\n"
+        "             ['config', '--show'], ['env', '--help']):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()):\n"
+        "        assert main(argv) == 0, argv\n"
+        "    assert 'torch' not in sys.modules, argv\n"
+        "import accel_ctx\n"
+        "assert 'torch' not in sys.modules  # importing the package loads nothing heavy\n"
+        "accel_ctx.state\n"
+        "assert 'torch' in sys.modules  # a name loads its module on first use\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=scaled(120), cwd=tmp_path, env={**__import__("os").environ,
+                                                            "HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+
+
+def test_every_module_has_its_place_in_the_layers_contract():
+    """The folders are the layers (pyproject.toml): a new folder or root module must be given a
+    layer, or nothing checks what it may import. The house's other rules are held here too: no module
+    over 350 lines, a handful of modules at the package root, small ``:`` groups."""
+    from pathlib import Path
+
+    import tomllib
+
+    root = Path(accel_ctx.__file__).parent
+    config = tomllib.loads((root.parent / "pyproject.toml").read_text())
+    [layers] = [c for c in config["tool"]["importlinter"]["contracts"] if c["id"] == "layers"]
+    listed: set[str] = set()
+    for layer in layers["layers"]:
+        names = [n.strip() for n in layer.replace(":", "|").split("|")]
+        assert layer.count(":") < 6, f"a ':' layer of more than 6 names: {layer}"
+        listed.update(names)
+    modules = {".".join(p.relative_to(root).with_suffix("").parts)
+               for p in root.rglob("*.py") if p.name != "__init__.py"}
+    unplaced = sorted(m for m in modules if not any(
+        m == name or m.startswith(name + ".") for name in listed))
+    assert not unplaced, f"modules with no layer in pyproject.toml: {unplaced}"
+    at_root = sorted(m for m in modules if "." not in m)
+    assert len(at_root) <= 6, at_root
+    long = {m: n for m in modules
+            if (n := len((root / (m.replace(".", "/") + ".py")).read_text().splitlines())) > 350}
+    assert not long, f"modules over 350 lines: {long}"
