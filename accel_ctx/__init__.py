@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name 
     from ._ranks.watch import log_metrics, progress
     from ._scopes.accumulate import accumulate, no_sync
     from ._scopes.distributed import DistributedOptions, distributed
+    from ._scopes.local_sgd import local_sgd
     from ._scopes.mixed_precision import autocast_forward, mixed_precision
     from ._scopes.resumable import resumable
     from ._scopes.sharded import sharded
@@ -68,6 +69,7 @@ __all__ = [
     "load_loader_state",
     "load_state",
     "loader_state",
+    "local_sgd",
     "log_metrics",
     "main_print",
     "main_process_first",
@@ -119,6 +121,7 @@ _HOMES = {
     "synchronize_rng_states": "_ranks.decide",
     "DistributedOptions": "_scopes.distributed",
     "distributed": "_scopes.distributed",
+    "local_sgd": "_scopes.local_sgd",
     "gather_for_metrics": "_ranks.evaluation",
     "split_between_processes": "_ranks.evaluation",
     "launch": "_launch.fn",

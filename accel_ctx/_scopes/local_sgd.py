@@ -1,0 +1,295 @@
+"""``local_sgd(every=H)``: Local SGD, and DiLoCo with an outer optimizer.
+
+Inside the scope every backward runs without DDP's gradient all-reduce (the ``no_sync()``
+switch, on the engine ``distributed()`` built), so each ``opt.step()`` updates the rank's own
+copy of the model from its own gradients. After every ``H``-th step of an optimizer its
+parameters are synchronised:
+
+* plain Local SGD: averaged over the ranks, in place (one float32 all-reduce per device), as
+  torch's ``PeriodicModelAverager`` does after ``PostLocalSGDOptimizer``'s steps;
+* DiLoCo (``outer_optimizer=``): the scope keeps a float32 copy of the parameters as they were
+  at the last synchronisation (the "global" parameters). The pseudo-gradient ``global - local``
+  is averaged over the ranks, put in the global copy's ``.grad``, the outer optimizer steps the
+  global copy, and the model's parameters take its values.
+
+A step counts where it is taken: under ``accumulate(k)`` only a group's last micro-batch steps,
+and a step fp16 skips on an overflow still counts, so every rank synchronises at the same step.
+Each optimizer counts its own steps and synchronises its own parameters (the reference,
+``PostLocalSGDOptimizer``, wraps one optimizer the same way).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from contextlib import ExitStack
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from .._group import blame as _blame
+from .._hooks.scope import Scope
+from .._job.job import Job
+from .._kernel import state as _state
+from .._kernel.concern import ForwardCall
+from .._kernel.session import OptimizerRecord, Session
+from .._options import checked
+from ..errors import ConfigurationError
+from .accumulate import _PausesEngines
+from .distributed import DistributedRuntime
+
+__all__ = ["OuterOptimizer", "local_sgd"]
+
+OuterOptimizer = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+"""Builds DiLoCo's outer optimizer over the list of global (float32) parameters it is given."""
+
+class _Period:
+    """One optimizer's synchronisation state: its steps, and DiLoCo's global copy and optimizer."""
+
+    __slots__ = ("optimizer", "outer", "pending", "shared", "steps")
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = weakref.ref(optimizer)
+        self.steps = 0  # steps taken (not held back) since the scope opened
+        self.pending = False  # a step() call was let through and has not ended yet
+        self.shared: list[torch.Tensor] | None = None  # DiLoCo: the parameters at the last sync
+        self.outer: torch.optim.Optimizer | None = None
+
+    def params(self) -> list[torch.Tensor]:
+        optimizer = self.optimizer()
+        if optimizer is None:
+            return []
+        return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+class LocalSGDRuntime(_PausesEngines):
+    """The steps and global copies of one ``local_sgd()`` entry."""
+
+    slot, order = "local_sgd", 40  # after accumulate(): it sees only the steps a group lets by
+
+    def __init__(self, every: int, outer: OuterOptimizer | None) -> None:
+        super().__init__()
+        self.every = every
+        self.outer = outer
+        self._periods: weakref.WeakKeyDictionary[OptimizerRecord, _Period] = (
+            weakref.WeakKeyDictionary())
+        self._started: list[_Period] = []  # in the order of their first steps (checkpoints)
+        self._restored: list[dict[str, Any]] = []  # saved periods not started yet
+        self._job: Job | None = None  # the job open at the first step
+        self._checked: _state.Stack | None = None
+
+    @override
+    def _vote(self, call: ForwardCall, session: Session) -> bool:
+        return False  # every backward stays local
+
+    @override
+    def before_forward(self, call: ForwardCall, session: Session) -> None:
+        stack = _state.current()
+        if stack is not self._checked:  # sharded() opened inside local_sgd(): once per stack
+            _refuse_parts(stack)
+            self._checked = stack
+        super().before_forward(call, session)
+
+    @override
+    def allows_step(self, record: OptimizerRecord) -> bool:
+        # the last of the step gates: reaching it, the step is taken (or skipped by fp16)
+        period = self._periods.get(record)
+        if period is None:
+            period = self._start(record)
+        period.pending = True
+        return True
+
+    @override
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        stack = _state.current()
+        record = stack.session.optimizer_record(optimizer) if stack is not None else None
+        period = self._periods.get(record) if record is not None else None
+        if period is None or not period.pending:
+            return
+        period.pending = False
+        period.steps += 1
+        if period.steps % self.every == 0:
+            self._sync(period)
+
+    def _start(self, record: OptimizerRecord) -> _Period:
+        stack = _state.current()
+        assert stack is not None  # a step gate runs inside the stack
+        optimizer = next(o for o, r in stack.session.optimizers.items() if r is record)
+        if not self._started:
+            self._job = stack.job  # the job the periods synchronise in (checked at the exit)
+        period = _Period(optimizer)
+        if self.outer is not None:
+            # the model as it starts: every rank holds rank 0's weights (DDP broadcast them)
+            with torch.no_grad():
+                period.shared = [p.detach().to(torch.float32, copy=True) for p in period.params()]
+            period.outer = _outside_scopes(self.outer, period.shared)
+            if not isinstance(period.outer, torch.optim.Optimizer):
+                raise ConfigurationError(
+                    f"local_sgd(outer_optimizer=...) returned {type(period.outer).__name__}, not "
+                    "a torch.optim.Optimizer; give a function of the parameters that builds one, "
+                    "e.g. functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).")
+        if self._restored:
+            _load_period(period, self._restored.pop(0))
+        self._periods[record] = period
+        self._started.append(period)
+        return period
+
+    @torch.no_grad()
+    def _sync(self, period: _Period) -> None:
+        job = _state.current_job()
+        params = period.params()
+        world = job.world_size if job is not None else 1
+        if period.shared is None:  # plain Local SGD: the average of the ranks' parameters
+            if world > 1 and job is not None:
+                _average(job, params)
+            return
+        shared, outer = period.shared, period.outer
+        assert outer is not None
+        if len(shared) != len(params):
+            raise ConfigurationError(
+                "local_sgd(outer_optimizer=...): the optimizer's parameters changed inside the "
+                "scope (add_param_group?); add them before the scope opens.")
+        pseudo = [g - p.to(torch.float32) for g, p in zip(shared, params, strict=True)]
+        if world > 1 and job is not None:
+            _average(job, pseudo)
+        for g, d in zip(shared, pseudo, strict=True):
+            g.grad = d
+        _outside_scopes(lambda _: outer.step(), shared)
+        for p, g in zip(params, shared, strict=True):
+            g.grad = None
+            p.copy_(g)
+
+    def exit(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+             tb: TracebackType | None) -> None:
+        """End a period in progress on a normal exit, so every rank leaves with one model; after
+        an exception the other ranks may never come, so nothing waits for them."""
+        self.close()
+        if exc_type is not None or _state.current_job() is not self._job:
+            return  # (a distributed() opened inside this scope has closed already)
+        for period in self._started:
+            if period.steps % self.every and period.optimizer() is not None:
+                self._sync(period)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        if not self._started:
+            return {}
+        return {"every": self.every, "periods": [
+            {"steps": p.steps, "shared": p.shared,
+             "outer": p.outer.state_dict() if p.outer is not None else None}
+            for p in self._started]}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = list(state["periods"])
+        for period, entry in zip(self._started, saved, strict=False):
+            _load_period(period, entry)
+        self._restored = saved[len(self._started):]  # for optimizers that have not stepped yet
+
+
+def _load_period(period: _Period, saved: dict[str, Any]) -> None:
+    period.steps = int(saved["steps"])
+    if period.shared is not None and saved["shared"] is not None:
+        with torch.no_grad():
+            for g, s in zip(period.shared, saved["shared"], strict=True):
+                g.copy_(s)
+    if period.outer is not None and saved["outer"] is not None:
+        period.outer.load_state_dict(saved["outer"])
+
+
+def _outside_scopes(fn: Callable[[list[torch.Tensor]], Any], params: list[torch.Tensor]) -> Any:
+    """``fn(params)`` with no scope open: the outer optimizer's step is not a step of the loop
+    (not counted, not held back by accumulate(), not unscaled by fp16)."""
+    token = _state.set_stack(None)
+    try:
+        return fn(params)
+    finally:
+        _state.reset_stack(token)
+
+
+def _average(job: Job, tensors: list[torch.Tensor]) -> None:
+    """Average ``tensors`` over the ranks in place: one float32 all-reduce per device."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    for device, group in by_device.items():
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in group])
+        flat = flat.to(job.comm_device(device))
+        try:
+            dist.all_reduce(flat)
+        except Exception as exc:
+            _blame.reraise(job, exc, "local_sgd()'s parameter average")
+            raise
+        flat.div_(job.world_size)
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def _refuse_parts(stack: _state.Stack | None) -> None:
+    below = stack.find(DistributedRuntime) if stack is not None else None
+    if below is not None and (below.plan is not None or below.tensor is not None):
+        raise ConfigurationError(_NOT_SHARDED)
+
+
+_NOT_SHARDED = (
+    "local_sgd() synchronises whole replicas of the model; under sharded() (FSDP2) or tensor "
+    "parallelism each rank holds only part of it, which is not supported yet. Use it inside "
+    "distributed() (DDP).")
+
+
+@checked
+class local_sgd(Scope):
+    """Local SGD: each rank steps on its own gradients; every ``every`` steps they synchronise.
+
+    Inside ``distributed()``, backward passes skip DDP's gradient all-reduce and ``opt.step()``
+    updates each rank's own copy of the model. After every ``every``-th optimizer step the
+    parameters are averaged over the ranks (torch's ``PeriodicModelAverager``). With
+    ``outer_optimizer`` it is DiLoCo: the average pseudo-gradient (the parameters at the last
+    synchronisation minus the local ones) is applied to the last synchronised parameters by the
+    outer optimizer, built once by ``outer_optimizer(params)`` over that float32 copy. Leaving
+    the scope normally synchronises a period in progress, so every rank leaves with the same
+    model. In one process plain Local SGD changes nothing.
+
+    Args:
+        every: optimizer steps between synchronisations (H).
+        outer_optimizer: DiLoCo's outer optimizer, as a function of the parameters that builds
+            it (``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``).
+
+    Examples:
+        >>> import torch
+        >>> from accel_ctx import distributed, local_sgd
+        >>> with distributed(), local_sgd(every=4):
+        ...     model = torch.nn.Linear(2, 1)
+        ...     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ...     for x in torch.randn(8, 3, 2):
+        ...         model(x).sum().backward()
+        ...         opt.step(); opt.zero_grad()
+    """
+
+    def __init__(self, every: int, *, outer_optimizer: OuterOptimizer | None = None) -> None:
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ConfigurationError(
+                f"local_sgd(every={every!r}): give the number of optimizer steps between "
+                "synchronisations, a whole number >= 1.")
+        if isinstance(outer_optimizer, torch.optim.Optimizer) or not (
+                outer_optimizer is None or callable(outer_optimizer)):
+            raise ConfigurationError(
+                f"local_sgd(outer_optimizer={type(outer_optimizer).__name__}): give a function "
+                "that builds the outer optimizer from the parameters it is given (the scope's "
+                "copy of the synchronised weights, not the model's), e.g. "
+                "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).")
+        self.every = every
+        self.outer_optimizer = outer_optimizer
+
+    @override
+    def _open(self, exits: ExitStack) -> LocalSGDRuntime:
+        _refuse_parts(_state.current())
+        runtime = LocalSGDRuntime(self.every, self.outer_optimizer)
+        exits.push(runtime.exit)
+        return runtime
