@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from accel_ctx import distributed, local_sgd, sharded
+from accel_ctx import distributed, load_state, local_sgd, save_state, sharded
 from accel_ctx.errors import ConfigurationError
 
 from .._spawn import spawn
@@ -118,3 +118,29 @@ def test_diloco_in_one_process_is_its_outer_step():
             sync()
     sync()  # the exit ends the period in progress (10 steps)
     assert _close(ours, params(model), atol=1e-6)
+
+
+def _diloco_run(folder: Any, stop: int | None, resume: bool) -> dict[str, torch.Tensor]:
+    """Steps 1..10 of DiLoCo (H=3); ``stop``: save there and stop; ``resume``: load first."""
+    outer = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(4, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+               for _ in range(10)]
+    torch.manual_seed(0)
+    with distributed(), local_sgd(every=3, outer_optimizer=outer):
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        start = load_state(folder, model=model, opt=opt).step if resume else 0
+        for x, y in batches[start:stop]:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if stop is not None:
+            save_state(folder, model=model, opt=opt)
+    return params(model)
+
+
+def test_diloco_resumes_its_steps_global_weights_and_outer_optimizer(tmp_path):
+    whole = _diloco_run(tmp_path / "none", None, resume=False)
+    _diloco_run(tmp_path / "ckpt", 4, resume=False)  # saved 1 step into the second period
+    assert _close(_diloco_run(tmp_path / "ckpt", None, resume=True), whole, atol=1e-6)
