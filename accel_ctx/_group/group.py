@@ -190,7 +190,7 @@ def _watch(job: Job, exits: ExitStack) -> None:
             text = f"{type(exc).__name__}: {exc}"
             culprit = getattr(exc, "culprit", None)  # our DistributedError naming a rank
             if progress.state != FAILED:  # not already failed naming someone else (_blame)
-                progress.state, progress.detail = FAILED, text[:500]
+                progress.state, progress.detail = FAILED, text[:1000]
                 if isinstance(culprit, int) and culprit != job.rank:
                     progress.blames = [culprit]
             if isinstance(culprit, int):  # for `accel-ctx launch`'s last line and exit code

@@ -4,8 +4,10 @@ The ranks decide together: after each attempt every rank says through the rendez
 (never a collective, which could pair with another call) whether it ran out of memory, and if
 any did, every rank retries with the halved size. A rank that ran out while another went on
 into a collective that waits for it (DDP's all-reduce in backward) cannot retry with it: it
-fails at once, naming itself, and its leaving ends the other's wait at once too. The function must therefore
-be restartable: build the model, optimizer and loader inside it.
+fails at once, naming itself, and its leaving ends the other's wait at once too. Each rank
+notes the size it tries in the store as an attempt begins, so that failure (and a timeout) names
+every rank's batch size and where it is. The function must therefore be restartable: build the
+model, optimizer and loader inside it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from typing import Any, Concatenate, TypeVar, overload
 from typing_extensions import ParamSpec
 
 from .._engines import adopt as _adopt
-from .._group.barrier import Watch, look_interval, store_and_prefix, whereabouts
+from .._group.barrier import Watch, look_interval, store_and_prefix
 from .._group.keywait import KeyWait
-from .._job.progress import BACKWARD
+from .._job.progress import BACKWARD, FAILED, LEFT, describe, last_seen, process_gone
 from .._job.progress import read as read_progress
 from .._kernel import state as _state
 from .._options import checked
@@ -79,6 +81,57 @@ def _release_attempt(before: set[int]) -> None:
 _calls = itertools.count()  # every rank makes the same calls in the same order
 
 
+def _announce_size(size: int, call: int, attempt: int) -> None:
+    """Say through the store which batch size this rank tries now (once per attempt): a
+    failure message names every rank's size, and a rank that runs out of memory names the
+    size of one that went on without it."""
+    job = _state.current_job()
+    if job is None or job.world_size == 1:
+        return
+    store, prefix = store_and_prefix(job)
+    store.set(f"{prefix}/batch_size/{call}/{attempt}/size/{job.rank}", str(size))
+
+
+def _each_rank(job: Any, store: Any, base: str) -> str:
+    """Every rank's batch size and state in this attempt: "rank 0 at batch size 8, step 0,
+    in forward, inside torch.distributed's ...(); rank 1 at batch size 8, ran out of memory"
+    (a rank that fails quotes it in its record, whose detail is cut at 1000 characters)."""
+    try:
+        return _read_each_rank(job, store, base)
+    except RuntimeError:  # the store is gone (its host, rank 0, stopped): nothing to add
+        return "unknown (the rendezvous store is gone)"
+
+
+def _read_each_rank(job: Any, store: Any, base: str) -> str:
+    world = job.world_size
+    verdicts = {r: store.get(f"{base}/{r}").decode() for r in range(world)
+                if store.check([f"{base}/{r}"])}
+    sizes = {r: store.get(f"{base}/size/{r}").decode() for r in range(world)
+             if store.check([f"{base}/size/{r}"])}
+    records = read_progress(store, store_and_prefix(job)[1], world)
+    parts = []
+    for r in range(world):
+        size = f"at batch size {sizes[r]}" if r in sizes else "not in this attempt yet"
+        record = records.get(r)
+        if verdicts.get(r) == "oom":
+            state = "ran out of memory"
+        elif verdicts.get(r) == "ok":
+            state = "finished it, waiting for the others' outcomes"
+        elif record is not None and record.get("state") in (LEFT, FAILED):
+            state = f"{'left distributed()' if record['state'] == LEFT else 'failed'} at " \
+                    f"{describe(record)}"
+        elif record is not None and process_gone(record):
+            state = f"its process died (last seen at {last_seen(record)})"
+        elif record is not None:
+            inside = f", inside torch.distributed's {record['blocked']}()" if record.get(
+                "blocked") else ""
+            state = f"{describe({**record, 'where': ''})}{inside}"  # short: it is quoted
+        else:
+            state = "nothing published yet"
+        parts.append(f"rank {r} {size}, {state}")
+    return "; ".join(parts)
+
+
 def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str) -> bool:
     """Every rank's verdict on this attempt; True if any rank ran out of memory.
 
@@ -104,7 +157,7 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
     def look() -> None:
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
         if ran_out:
-            _refuse_if_waited_for(job, store, prefix, missing, size, why, mine)
+            _refuse_if_waited_for(job, store, prefix, missing, size, why, mine, base)
         found = watch.never_arriving(missing)
         if found is not None:
             raise _naming(found[0], f"{label}: {found[1]}.")
@@ -122,10 +175,10 @@ def _anyone_ran_out(ran_out: bool, size: int, call: int, attempt: int, why: str)
             raise _naming(None, f"{label}: lost the rendezvous store ({exc}); the rank hosting "
                                 "it (rank 0) has most likely stopped: see its output.") from exc
         missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        where = whereabouts(job, missing)
         raise _naming(missing[0] if missing else None, (
             f"{label}: {', '.join(f'rank {r}' for r in missing)} did not finish the attempt "
-            f"within distributed(timeout={seconds:g} s){f' ({where})' if where else ''}.")
+            f"within distributed(timeout={seconds:g} s). Each rank: "
+            f"{_each_rank(job, store, base)}.")
         ) from exc
     job.progress.phase = f"after {label}"
     return any(v == b"oom" for v in store.multi_get(keys))
@@ -138,7 +191,7 @@ def _naming(culprit: int | None, text: str) -> DistributedError:
 
 
 def _refuse_if_waited_for(job: Any, store: Any, prefix: str, missing: list[int], size: int,
-                          why: str, mine: tuple[int, int]) -> None:
+                          why: str, mine: tuple[int, int], base: str) -> None:
     """A rank that went on, past where this one stopped, into a collective waits for this
     one, which cannot join it: the attempt cannot be retried together, so fail now (the
     others then fail fast, naming this rank) rather than at the collective's timeout. A
@@ -155,9 +208,10 @@ def _refuse_if_waited_for(job: Any, store: Any, prefix: str, missing: list[int],
         inside = f", inside torch.distributed's {record['blocked']}()" if record.get(
             "blocked") else ""
         raise _naming(job.rank, (
-            f"rank {job.rank} ran out of memory at batch size {size} ({why}) while rank "
-            f"{rank} went on into {phase}{inside}, which waits for rank {job.rank}: the ranks "
-            "cannot retry together. Give find_executable_batch_size a starting_batch_size "
+            f"rank {job.rank} ran out of memory at batch size {size} while rank {rank} went "
+            f"on into {phase}{inside}, which waits for rank {job.rank}: the ranks cannot retry "
+            f"together. Each rank: {_each_rank(job, store, base)}. Rank {job.rank}: {why}. "
+            "Give find_executable_batch_size a starting_batch_size "
             "that fits on every rank, or even out the ranks' memory use (the same data sizes "
             "per rank)."))
 
@@ -237,6 +291,7 @@ def find_executable_batch_size(
                         "(mixed_precision, sharded(), gradient checkpointing) or "
                         "min_batch_size.")
                 why = ""
+                _announce_size(size, call, len(tried))
                 try:
                     result = fn(size, *args, **kwargs)
                 except Exception as exc:

@@ -344,3 +344,66 @@ def test_a_progress_line_tells_another_collective_at_the_same_step_from_the_same
                     "train.py:29 in turn), inside torch.distributed's barrier(); rank 0: step 56, "
                     "after optimizer step (at train.py:56 in report), inside torch.distributed's "
                     "all_reduce()"), line
+
+
+# --- #38, point 6: the waits the issue saw silent or stuck, each with distributed()'s defaults ---
+# (a 600 s timeout, progress lines every 30 s): each ends within 30 s naming the cause and the
+# rank at fault, and no error names a healthy rank as the culprit.
+_PROMISE_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def calls_then_oom(tmp_path_factory):
+    return spawn(fidelity_waits.different_calls_then_out_of_memory, 3,
+                 tmp_path_factory.mktemp("calls_oom"), timeout=240)
+
+
+def test_reduce_on_rank_zero_and_gather_on_the_others_mid_training_end_at_once(calls_then_oom):
+    for rank, res in enumerate(calls_then_oom):
+        got = res["calls"]
+        assert got.get("error") == "DistributedError", (rank, got)
+        assert got["seconds"] < scaled(_PROMISE_S), (rank, got)
+        message = got["message"]
+        assert message.startswith(f"rank {rank}: "), message
+        assert "rank 0: reduce(op='sum')" in message, message
+        assert "rank 1: gather()" in message and "rank 2: gather()" in message, message
+        assert "No rank got a result" in message, message
+        assert res["after"]["value"] == [0, 1, 2], (rank, res["after"])  # the job goes on
+        assert res["step"] == 5, rank
+
+
+def test_an_out_of_memory_before_the_forward_names_every_ranks_batch_size(calls_then_oom):
+    for rank, res in enumerate(calls_then_oom):
+        got = res["oom"]
+        assert got.get("error") == "DistributedError", (rank, got)
+        assert got["seconds"] < scaled(_PROMISE_S), (rank, got)
+        assert got["culprit"] == 1, (rank, got)  # not a rank that waited for it
+        message = got["message"]
+        assert "rank 1 ran out of memory at batch size 8" in message, message
+        assert "Each rank: rank 0 at batch size 8, step 0, in forward" in message, message
+        assert "rank 1 at batch size 8, ran out of memory" in message, message
+        assert "rank 2 at batch size 8, step 0, in forward" in message, message
+
+
+def test_a_sharded_forward_under_if_rank_zero_ends_by_default_naming_rank_zero(tmp_path):
+    results = spawn(fidelity_waits.sharded_forward_on_rank_zero_by_default, 3, tmp_path,
+                    timeout=240)
+    for rank, got in enumerate(results):
+        assert got.get("error") == "DistributedError", (rank, got)
+        assert got["seconds"] < scaled(_PROMISE_S), (rank, got)
+        assert got["culprit"] == 0, (rank, got)  # the rank that ran it alone, never 1 or 2
+        assert "rank 0 waits in a collective at step 2, in forward" in got["message"], got
+        assert "waits in wait_for_everyone()" in got["message"], got
+
+
+def test_a_rank_leaving_with_os_exit_mid_training_is_named_by_every_other_rank(tmp_path):
+    results = spawn(fidelity_waits.exit_mid_training, 3, tmp_path, timeout=240,
+                    expect_failure=True)  # rank 1 sends nothing: its process is gone
+    assert results[1] == "no result"
+    for rank in (0, 2):
+        got = pickle.loads(results[rank])
+        assert got.get("error") == "DistributedError", (rank, got)
+        assert got["seconds"] < scaled(_PROMISE_S), (rank, got)
+        assert got["culprit"] == 1, (rank, got)
+        assert "rank 1's process died (last seen at step 5" in got["message"], (rank, got)
+        assert f"rank {2 - rank}" not in got["message"].split(" while ")[0], (rank, got)

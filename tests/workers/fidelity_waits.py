@@ -6,6 +6,7 @@ raised (type and message), how long it took, and the progress lines it logged me
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -174,3 +175,97 @@ def leave_at_step_five(how: str) -> dict[str, Any]:
                 opt.zero_grad()
 
     return _outcome(run)
+
+
+# --- #38, point 6: the waits the issue saw silent or stuck, with distributed()'s defaults --------
+def _culprit(fn: Callable[[], Any]) -> dict[str, Any]:
+    """:func:`_outcome`, with the rank the error names for the launcher (its ``culprit``)."""
+    culprit: list[Any] = [None]
+
+    def run() -> Any:
+        try:
+            return fn()
+        except Exception as exc:
+            culprit[0] = getattr(exc, "culprit", None)
+            raise
+
+    return {**_outcome(run), "culprit": culprit[0]}
+
+
+def different_calls_then_out_of_memory() -> dict[str, Any]:
+    """Rank 0 in reduce(), the others in gather() at step 3 of a training loop, then a good
+    gather; then, in a new scope, find_executable_batch_size with rank 1 out of memory before
+    its forward. Every timeout is distributed()'s default (600 s)."""
+    out: dict[str, Any] = {}
+    torch.manual_seed(0)
+    with distributed():
+        rank = state().rank
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1),
+                                    torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            loss = model(torch.randn(8, 4) + rank).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 2:
+                out["calls"] = _culprit(functools.partial(reduce if rank == 0 else gather,
+                                                          loss.detach().reshape(1)))
+                out["after"] = _outcome(lambda: gather(torch.tensor([rank])).tolist())
+        out["step"] = state().step
+
+    def run() -> int:
+        with distributed():
+            @find_executable_batch_size(starting_batch_size=8)
+            def train(batch_size: int) -> int:
+                model = torch.nn.Linear(4, 4)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                if state().rank == 1 and batch_size > 4:  # before it reaches the forward
+                    raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+                for _ in range(2):
+                    model(torch.randn(batch_size, 4)).sum().backward()
+                    opt.step()
+                    opt.zero_grad()
+                return batch_size
+
+            return train()
+
+    out["oom"] = _culprit(run)
+    return out
+
+
+def sharded_forward_on_rank_zero_by_default() -> dict[str, Any]:
+    """:func:`sharded_forward_on_rank_zero` with distributed()'s default timeout."""
+    def run() -> None:
+        torch.manual_seed(0)
+        with distributed(), sharded():
+            model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                model(torch.randn(4, 8)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            if state().rank == 0:
+                with torch.no_grad():
+                    model(torch.randn(4, 8))
+            wait_for_everyone()
+
+    return _culprit(run)
+
+
+def exit_mid_training() -> dict[str, Any]:
+    """Rank 1 leaves with os._exit(0) at step 5 of 20, its heartbeat running as usual."""
+    def run() -> None:
+        torch.manual_seed(0)
+        with distributed():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.1),
+                                        torch.nn.Linear(8, 1))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(20):
+                if state().rank == 1 and state().step == 5:
+                    os._exit(0)
+                model(torch.randn(8, 4) + state().rank).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+
+    return _culprit(run)
