@@ -34,7 +34,6 @@ from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
-from .tp_styles import layout
 
 # attributes that count attention heads, in the modules on the way to a planned layer
 _HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
@@ -156,6 +155,8 @@ def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> No
 # ---- the plan ------------------------------------------------------------------------------------
 def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
     """The plan for ``module``: module name -> torch ParallelStyle, checked."""
+    from .tp_styles import layout  # loads torch.distributed.tensor: only once a plan is used
+
     declared = tensor.styles if tensor.styles is not None else declared_plan(module)
     kind = type(module).__name__
     if declared is None:
