@@ -34,11 +34,7 @@ from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
-from .tp_styles import layout
-
-# attributes that count attention heads, in the modules on the way to a planned layer
-_HEAD_COUNTS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "num_key_value_heads",
-                "n_kv_heads", "num_kv_heads")
+from .tp_heads import HEAD_COUNTS, watch_first_forward
 
 
 class TensorEngine(_fsdp.ShardedEngine):
@@ -107,6 +103,8 @@ def parallelize(job: Job, module: nn.Module, tensor: TensorPlan,
     _adopt.move_to_device(job, module)
     _fsdp.broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights
     parallelize_module(model, mesh["tp"], styles)
+    if model is module:  # not under torch.compile's wrapper: the watch would be traced
+        watch_first_forward(model, styles, tensor.size)  # heads viewed by the whole count
     if sharded:
         assert sharding is not None
         blocks = _fsdp.find_blocks(module, sharding.blocks)
@@ -149,13 +147,15 @@ def explain_failure(module: nn.Module, tensor: TensorPlan, exc: Exception) -> No
             f"({exc}), most likely a split layer's output viewed by the model's whole head "
             f"count: each rank holds 1/{tensor.size} of the heads of a 'colwise' layer. "
             "Reshape by the local count, view(b, t, -1, head_dim), not view(b, t, n_heads, "
-            "head_dim) (view(b, t, n_heads, -1) would split the heads wrongly without an "
-            "error).") from exc
+            "head_dim) (view(b, t, n_heads, -1), which would split the heads wrongly without "
+            "an error, is refused at the first forward).") from exc
 
 
 # ---- the plan ------------------------------------------------------------------------------------
 def resolve(module: nn.Module, tensor: TensorPlan) -> dict[str, Any]:
     """The plan for ``module``: module name -> torch ParallelStyle, checked."""
+    from .tp_styles import layout  # loads torch.distributed.tensor: only once a plan is used
+
     declared = tensor.styles if tensor.styles is not None else declared_plan(module)
     kind = type(module).__name__
     if declared is None:
@@ -249,7 +249,7 @@ def _check_divisible(module: nn.Module, chosen: dict[str, Any], tp: int) -> None
         path = name.split(".")
         for depth in range(len(path)):
             owner = module.get_submodule(".".join(path[:depth]))
-            for attr in _HEAD_COUNTS:
+            for attr in HEAD_COUNTS:
                 count = getattr(owner, attr, None)
                 where = ".".join([*path[:depth], attr]) or attr
                 if isinstance(count, int) and not isinstance(count, bool) and count % tp:

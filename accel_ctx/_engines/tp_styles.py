@@ -1,6 +1,9 @@
 """Tensor-parallel styles: what each named style of a plan becomes in torch, with sequence and
-loss parallelism laid out as torchtitan lays them out; and the block where torch's
-``loss_parallel()`` is on.
+loss parallelism laid out as torchtitan lays them out (torch's ``loss_parallel()`` itself is
+switched on in ``loss_parallel.py``, which loads no DTensor code until a scope asks for it).
+
+Imported only when a tensor plan is resolved: it loads ``torch.distributed.tensor`` (about a
+second), which a job without ``tp=`` never needs.
 
 Alone, a named style is torch's ``ColwiseParallel`` / ``RowwiseParallel`` with the layouts its
 name says (transformers' names included; an embedding split by rows takes whole token ids).
@@ -21,9 +24,6 @@ torch's ``loss_parallel()`` is on while the scope is open, so the user's ``F.cro
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -36,7 +36,6 @@ from torch.distributed.tensor.parallel import (
 from typing_extensions import override
 
 from .._job.tp_plan import EXAMPLE, SPLITS
-from .._kernel import state as _state
 from ..errors import ConfigurationError
 
 _GATHERED = ("colwise_rep", "colwise_gather_output", "embedding_colwise")
@@ -160,40 +159,3 @@ class _IntoSequence(RowwiseParallel):
                 f"multiple of {self.tp} (pad the batch), or leave out sequence_parallel.")
         return RowwiseParallel._prepare_input_fn(  # type: ignore[no-untyped-call]
             input_layouts, desired_input_layouts, mod, inputs, device_mesh)
-
-
-# ---- torch's loss_parallel(), while a loss_parallel=True scope is open ---------------------------
-_lock = threading.Lock()
-_open: list[contextlib.AbstractContextManager[None]] = []
-_users = [0]
-
-
-@contextlib.contextmanager
-def loss_parallel_on() -> Iterator[None]:
-    """Torch's ``loss_parallel()`` on while any ``loss_parallel=True`` scope is open (it swaps
-    DTensor's cross-entropy ops process-wide: entered once, left by the last scope)."""
-    from torch.distributed.tensor.parallel import loss_parallel
-
-    with _lock:
-        if _users[0] == 0:
-            entered = loss_parallel()
-            entered.__enter__()
-            _open.append(entered)
-        _users[0] += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users[0] -= 1
-            if _users[0] == 0 and _open:
-                _open.pop().__exit__(None, None, None)
-
-
-def _forget_in_forked_child() -> None:
-    global _lock
-    _lock = threading.Lock()
-    _users[0] = 0
-    _open.clear()
-
-
-_state.reset_after_fork(_forget_in_forked_child)

@@ -139,6 +139,12 @@ class Job:
             from torch.distributed.device_mesh import init_device_mesh
 
             mesh = meshes[key] = init_device_mesh(self.device.type, shape, mesh_dim_names=names)
+            if len(names) > 1 and names[-1] == "tp":
+                # a norm or sum over split and sharded parameters (clip_grad_norm_) reduces over
+                # every dimension: with a flattened one DTensor does it in one all-reduce, not
+                # one per dimension with torch's "suboptimal" warning (torchtitan flattens too)
+                for dims in (names, names[1:]) if len(names) > 2 else (names,):
+                    mesh[dims]._flatten()
         return mesh
 
     @property

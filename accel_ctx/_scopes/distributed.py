@@ -38,7 +38,7 @@ from .._engines import (
 )
 from .._engines.adopt import release_all
 from .._engines.ddp_controls import holds_back
-from .._engines.tp_styles import loss_parallel_on
+from .._engines.loss_parallel import loss_parallel_on
 from .._group import blame as _blame
 from .._group.group import start_job
 from .._hooks import gates as _gates

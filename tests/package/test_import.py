@@ -31,6 +31,21 @@ def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded():
     assert result.returncode == 0, result.stderr
 
 
+def test_importing_the_scopes_loads_no_dtensor_code():
+    """torch.distributed.tensor (about a second) loads only once a tensor plan is used."""
+    code = (
+        "import sys, accel_ctx\n"
+        "from accel_ctx import distributed, sharded, mixed_precision, accumulate, no_sync\n"
+        "accel_ctx.state\n"
+        "import accel_ctx._engines.choice, accel_ctx._engines.tensor_parallel\n"
+        "loaded = [m for m in sys.modules if m.startswith('torch.distributed.tensor')]\n"
+        "assert not loaded, loaded[:3]\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=scaled(120))
+    assert result.returncode == 0, result.stderr
+
+
 def test_the_commands_help_and_config_import_no_torch(tmp_path):
     code = (
         "import sys, contextlib, io\n"

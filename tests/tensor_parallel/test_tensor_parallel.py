@@ -149,6 +149,14 @@ def test_tp_under_torch_compile_trains_like_one_process_without_a_graph_break(fo
             assert got["graph_breaks"] == 0, how
 
 
+def test_a_2d_run_takes_each_norm_in_one_reduction_without_torchs_suboptimal_warning(four):
+    # clip_grad_norm_ over parameters split on "tp" and sharded on "dp": the norm's partial sums
+    # reduce over both dimensions, in one all-reduce over the flattened mesh (issue 38 point 9)
+    for rank, result in enumerate(four):
+        unflattened = [m for m in result["redistribute_said"] if "flatten mesh dim" in m]
+        assert not unflattened, (rank, unflattened)
+
+
 def test_state_shows_dp_and_tp_coordinates_with_tp_innermost(four):
     for rank, result in enumerate(four):
         assert result["sharded"]["where"] == {
@@ -195,6 +203,12 @@ def test_misuses_of_tp_are_clear_errors_on_every_rank(four):
         # a model reshaping by its whole head count (torch's error, explained)
         assert "whole head count" in said["hard_coded_heads"], said["hard_coded_heads"]
         assert "view(b, t, -1, head_dim)" in said["hard_coded_heads"]
+        # view(b, t, n_heads, -1): a valid view of the wrong math, refused at the first forward
+        said_view = said["view_by_count"]
+        assert "whole head count (n_heads = 4)" in said_view, said_view
+        assert "layers.0.attn" in said_view and "view(b, t, -1, head_dim)" in said_view
+        assert "n_heads // tp (2 here)" in said_view
+        assert said["hooks_left"] == "0", said["hooks_left"]
         # sequence and loss parallelism where they cannot apply: refused, not silently wrong
         assert "must split both ends" in said["sp_tied"] and "tied" in said["sp_tied"]
         assert "splits no output layer" in said["lp_tied"] and "colwise_rep" in said["lp_tied"]

@@ -11,6 +11,7 @@ the tied ``lm_head`` stay whole on every rank.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -85,6 +86,19 @@ class HardCodedAttention(Attention):
                    for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class ViewByCountAttention(Attention):
+    """nanoGPT's reshape with the head size left to -1: under TP a valid view of the wrong math
+    (n_heads heads of head_dim / tp features), refused at the first forward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_heads, -1).transpose(1, 2)
+        k = self.k(x).view(b, t, self.n_heads, -1).transpose(1, 2)
+        v = self.v(x).view(b, t, self.n_heads, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).contiguous().view(b, t, -1))
 
 
 class MLP(nn.Module):
@@ -251,6 +265,18 @@ def misuse() -> dict[str, str]:
         for block in model.layers:
             block.attn = HardCodedAttention()
         model(torch.zeros(2, CONTEXT, dtype=torch.long))
+    with sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)), _refusal(said, "view_by_count"):
+        model = GPT()
+        for block in model.layers:
+            block.attn = ViewByCountAttention()
+        F.cross_entropy(model(torch.zeros(2, CONTEXT, dtype=torch.long)).flatten(0, 1),
+                        torch.zeros(2 * CONTEXT, dtype=torch.long)).backward()
+    with sharded(tp=2, tp_plan=PLAN, timeout=scaled(60)):
+        model = GPT()
+        model(torch.zeros(2, CONTEXT, dtype=torch.long))
+        # the first forward's watch is gone: nothing of it on the later steps
+        said["hooks_left"] = str(sum(len(b.attn._forward_hooks) + len(b.attn._forward_pre_hooks)
+                                     for b in model.layers))
     with sharded(tp=2, timeout=scaled(60)), _refusal(said, "declared_names_none"):
         model = GPT()
         model._tp_plan = {"h.*.attn.c_attn": "colwise"}  # another model's names
@@ -447,8 +473,24 @@ def eight_ranks(batch: int) -> dict[str, Any]:
     return train("hsdp", batch, clip=0.05)
 
 
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.said: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.said.append(record.getMessage())
+
+
 def four_ranks(batch: int, root: str) -> dict[str, Any]:
-    """Everything the 4-rank tests check, in one spawn."""
+    """Everything the 4-rank tests check, in one spawn; and what DTensor's redistribution
+    logged over all of it (it warns once a process)."""
+    said = _Said()
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(said)
+    return {**_four_ranks(batch, root), "redistribute_said": said.said}
+
+
+def _four_ranks(batch: int, root: str) -> dict[str, Any]:
     return {"ckpt_full": checkpoint_run(f"{root}/none", batch),
             "ckpt_stop": checkpoint_run(f"{root}/tp", batch, stop=3),
             "ckpt_resume": checkpoint_run(f"{root}/tp", batch, resume=True),
