@@ -132,6 +132,29 @@ LONGEST_FIRST = (
 )
 _TESTS = Path(__file__).resolve().parent
 
+# The compat tier (`./dev compat VERSION`, `-m compat`): the files that drive every entry point
+# accel_ctx patches (Module.__call__, DataLoader.__iter__, Tensor.backward, optimizer steps,
+# OptimizedModule.__call__) and every torch-private name it reaches (_data/torch_private.py,
+# Dynamo's frame skipping, FSDP2, DTensor and DCP internals, c10d's store), plus the examples.
+COMPAT = (
+    "scopes/test_scopes.py",
+    "scopes/test_foundation_mp.py",
+    "distributed/test_fidelity.py",
+    "accumulation/test_accumulate.py",
+    "precision/test_precision.py",
+    "compile/test_compile.py",
+    "data/test_batches.py",
+    "data/test_order_stream.py",
+    "sharded/test_sharded.py",
+    "sharded/test_sharded_touch.py",
+    "tensor_parallel/test_tensor_parallel.py",
+    "checkpoints/test_checkpoint.py",
+    "checkpoints/test_sharded_checkpoint.py",
+    "resumable/test_resumable_shape.py",
+    "group/test_process_failures.py",
+    "package/test_examples.py",
+)
+
 
 def pytest_configure(config):
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
@@ -151,6 +174,12 @@ def _dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
         return (len(rank) if listed is None else listed, -len(files[path]))
 
     return [item for path in sorted(files, key=key) for item in files[path]]
+
+
+def pytest_itemcollected(item):  # before `-m` selects
+    path = Path(item.path)
+    if _TESTS in path.parents and path.relative_to(_TESTS).as_posix() in COMPAT:
+        item.add_marker(pytest.mark.compat)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture
