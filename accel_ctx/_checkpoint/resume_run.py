@@ -1,10 +1,11 @@
 """The runtime of one ``resumable()`` entry: objects keyed as met, restored, saved at boundaries.
 
-**Keys.** The same script meets its objects in the same order, so each is keyed by its kind
-and that order: ``model0``, ``model1`` (first top-level forward), ``optimizer0`` (first
-``step()`` or ``zero_grad()``), ``scheduler0`` (first ``step()``), DataLoaders by their first
-iteration; ``run.track(name=obj)`` names the others. A key present in the checkpoint whose
-object differs (other parameter names or shapes) is refused, naming both.
+**Keys.** Objects are keyed by their kind and the order first met: ``model0``, ``model1``
+(first top-level forward), ``optimizer0`` (first ``step()`` or ``zero_grad()``),
+``scheduler0`` (first ``step()``), DataLoaders by their first iteration; ``run.track(name=obj)``
+names the others. A resumed run finds each object's saved key by what it is (``match``: a
+model's parameter names, shapes and trainable ones, ...; a loader's data, batch size and
+sampler), the order deciding among equals; an object unlike its saved state is refused.
 
 **Restore as met.** On entry the counters (``run.step``) and loader positions; a model at its
 first forward (after adoption: moved or sharded as it trains), an optimizer just before its
@@ -41,7 +42,7 @@ from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import Session
 from ..errors import CheckpointError
-from . import saver
+from . import match, saver
 from .preempt import Preempted, Signals, requeue
 from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
 
@@ -67,9 +68,10 @@ class ResumeRuntime(Concern):
         self.group: Any = None
         self.world = 1
         self.rank = 0
-        self.met: dict[str, list[weakref.ref[Any]]] = {"model": [], "optimizer": [],
-                                                        "scheduler": []}
+        self.met: dict[str, dict[str, weakref.ref[Any]]] = {"model": {}, "optimizer": {},
+                                                             "scheduler": {}}
         self.keys: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self.matcher = match.Matcher(self.keys, f"resumable({folder})")
         self.tracked: dict[str, Any] = {}
         self.carried: dict[str, Any] = {}  # the checkpoint's entries not met again yet
         self.unrestored: list[tuple[str, torch.optim.Optimizer]] = []
@@ -183,9 +185,9 @@ class ResumeRuntime(Concern):
             return "", False
         if key is not None:
             return key, False
-        refs = self.met[kind]
-        key = f"{kind}{len(refs)}"
-        refs.append(weakref.ref(obj))
+        self.matcher.start(self.checkpoint)
+        key = self.matcher.key(obj, kind, {*self.met[kind], *self.tracked})
+        self.met[kind][key] = weakref.ref(obj)
         self.keys[obj] = key
         return key, True
 
@@ -272,6 +274,7 @@ class ResumeRuntime(Concern):
                 owners[name] = model
             what = f"the optimizer stepped {ordinal(key)} ({type(optimizer).__name__})"
             checkpoint.load(key, optimizer, owners, what)
+            self.matcher.check_lr(key, optimizer, warn=self.rank == 0)
 
     @override
     def before_schedule(self, scheduler: Any, session: Session) -> None:
@@ -290,10 +293,8 @@ class ResumeRuntime(Concern):
     def _object(self, key: str) -> Any:
         if key in self.tracked:
             return self.tracked[key]
-        kind = key.rstrip("0123456789")
-        index = int(key[len(kind):]) if key[len(kind):] else -1
-        refs = self.met.get(kind, [])
-        return refs[index]() if 0 <= index < len(refs) else None
+        ref = self.met.get(key.rstrip("0123456789"), {}).get(key)
+        return ref() if ref is not None else None
 
     # ---- saves ---------------------------------------------------------------------------------
     def _boundary(self, session: Session) -> None:
@@ -328,13 +329,11 @@ class ResumeRuntime(Concern):
 
     def objects(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for kind, refs in self.met.items():
-            for i, ref in enumerate(refs):
-                obj = ref()
-                if obj is not None and self.keys.get(obj) == f"{kind}{i}":
-                    out[f"{kind}{i}"] = obj
+        for refs in self.met.values():
+            out.update((key, obj) for key, ref in refs.items()
+                       if (obj := ref()) is not None and self.keys.get(obj) == key)
         out.update(self.tracked)
-        out[META] = self.meta
+        out[META], out[match.ENTRY] = self.meta, self.matcher.entry
         checkpoint = self.checkpoint
         if checkpoint is None:
             return out

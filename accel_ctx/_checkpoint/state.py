@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from .._data import records as _loader_records
-from .._data.position import apply_position
+from .._data.position import apply_position, pick
 from .._kernel import state as _state
 from .._kernel.session import Session
 
@@ -130,7 +130,9 @@ def still_pending(stack: _state.Stack | None) -> list[tuple[dict[str, Any], Any]
 
 
 class PendingLoaders:
-    """Positions of loaders saved by order: applied to the next loaders iterated first here."""
+    """Positions of loaders saved unnamed: applied to the loaders iterated first here, each to
+    the one it describes (the order deciding among equal ones; positions saved without a
+    description: by order alone)."""
 
     def __init__(self, session: Session, entries: list[tuple[dict[str, Any], Any]],
                  named: list[DataLoader[Any]]) -> None:
@@ -151,7 +153,10 @@ class PendingLoaders:
     def __call__(self, loader: Any, record: _loader_records.LoaderRecord) -> None:
         if loader in self._named or not isinstance(loader, DataLoader) or not self._entries:
             return
-        entry, generator = self._entries.pop(0)
+        index = pick([entry for entry, _ in self._entries], loader)
+        if index is None:
+            return  # not a loader of the checkpoint: its first epoch starts afresh
+        entry, generator = self._entries.pop(index)
         apply_position(loader, record, entry, generator)
         if not self._entries:
             self._session.loader_hooks.remove(self)

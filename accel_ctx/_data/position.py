@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .._kernel import state as _state
 from .._options import checked
 from .._ranks.collectives import gather_object, group_job
-from ..errors import ConfigurationError
+from ..errors import CheckpointError, ConfigurationError
 from . import iterate as _data
 from . import records as _records
 from .shard import check_skip
@@ -41,7 +41,8 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
     """Where ``loader`` stands, from every rank's count of batches handed out this epoch."""
     record = _records.peek_loader_record(loader)
     if record is None or record.epoch == 0:
-        return {"name": name, "epoch": 0, "consumed": 0, "finished": True, "start_rng": None}
+        return {"name": name, "epoch": 0, "consumed": 0, "finished": True, "start_rng": None,
+                "what": describe(loader)}
     plan = record.epoch_plan or _data.ShardPlan()
     total = _global_batches(loader)
     tp = _state.coordinates().tp_size  # the ranks of a tensor-parallel group share batches
@@ -55,7 +56,39 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
         "consumed": consumed,
         "finished": end is not None and consumed >= end,
         "start_rng": record.epoch_start_rng,
+        "what": describe(loader),  # a loader met again is matched to its position by it
     }
+
+
+def describe(loader: DataLoader[Any]) -> dict[str, Any]:
+    """What a position's loader is: its samples, batches and order (plain data)."""
+    try:
+        samples: int | None = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        samples = None  # a stream
+    return {"samples": samples, "batch_size": loader.batch_size, "drop_last": loader.drop_last,
+            "sampler": type(loader.sampler).__name__}
+
+
+def pick(entries: list[dict[str, Any]], loader: DataLoader[Any]) -> int | None:
+    """Which of the saved positions ``entries`` is ``loader``'s: the first of its description
+    (the first of all for positions saved without one); None: none is (a loader new here)."""
+    mine = describe(loader)
+    for i, entry in enumerate(entries):
+        if entry.get("what", mine) == mine:
+            return i
+    for entry in entries:
+        was = entry["what"]
+        if (was["samples"], was["sampler"]) == (mine["samples"], mine["sampler"]):
+            raise CheckpointError(
+                f"the checkpoint's position of a DataLoader over the same {mine['samples']} "
+                f"samples ({mine['sampler']}) is of batch_size={was['batch_size']}, "
+                f"drop_last={was['drop_last']}, and this loader has batch_size="
+                f"{mine['batch_size']}, drop_last={mine['drop_last']}: its epoch would resume at "
+                "the wrong batch, or skip samples. Keep batch_size and drop_last as they were to "
+                "resume this run, or start the changed run in a new folder (or move the old "
+                "checkpoints away).")
+    return None
 
 
 def generator_state(loader: DataLoader[Any]) -> torch.Tensor | None:
@@ -133,7 +166,7 @@ def loader_state(loader: Any) -> dict[str, Any]:
     count = yielded(loader)
     yields = gather_object(count) if group_job() is not None else [count]
     entry = position(loader, None, list(yields))
-    del entry["name"]
+    del entry["name"], entry["what"]
     entry["generator"] = generator_state(loader)
     entry["batches"] = _global_batches(loader)  # the epoch's size: checked when loaded
     return entry
