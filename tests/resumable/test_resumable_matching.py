@@ -112,3 +112,18 @@ def test_an_lr_changed_between_restarts_is_said_and_the_run_resumes_as_it_was(tm
     assert len(said) == 1 and "built with lr=0.2 in this script" in said[0]
     assert "was built with lr=0.05" in said[0] and "checkpoint's state is used" in said[0]
     _same(got, want)  # the checkpoint's lr trained on
+
+
+def test_a_checkpoint_saved_without_descriptions_still_resumes_by_order(tmp_path, monkeypatch):
+    from accel_ctx._checkpoint import match
+    from accel_ctx._checkpoint.resume_run import ResumeRuntime
+
+    full, want = _train(tmp_path / "a")
+    real = ResumeRuntime.objects
+    monkeypatch.setattr(ResumeRuntime, "objects", lambda self: {  # as saved before they were
+        name: obj for name, obj in real(self).items() if name != match.ENTRY})
+    first, _ = _train(tmp_path / "b", stop_at=7)
+    monkeypatch.undo()
+    rest, got = _train(tmp_path / "b")
+    assert first[:5 * 8] + rest == full
+    _same(got, want)
