@@ -4,7 +4,9 @@ The shape (tests/scripts/resumable_shape.py): the seed set before the scopes, `r
 before the model is built (a log line) and in the loop, a model with dropout built inside,
 AdamW, OneCycleLR, a shuffling DataLoader without a generator of its own. Killed (SIGKILL at a
 step, mid-save, after a restart) and stopped (SIGTERM) by itself, the run ends with the weights,
-optimizer and scheduler state and every step's loss of the run never interrupted: the RNG
+optimizer and scheduler state and every step's loss of the run never interrupted; so does a
+run killed on one rank before `distributed()` (the other in the rendezvous) and one killed in
+the middle of a restore: the RNG
 streams are the saved ones where the loop meets the save's boundary again, not where the
 script first read `run.step` (the model's initialisation drew from them after that).
 """
@@ -51,11 +53,12 @@ def _same(a: object, b: object, where: str) -> None:
 def test_the_common_script_shape_killed_and_stopped_ends_bit_identical(
         tmp_path, monkeypatch, engine, workers):
     runs = {}
-    for name, kills in (("reference", ""), ("killed", "7:SIGKILL,13:SIGTERM,20:SIGKILL")):
+    for name, kills in (("reference", ""), ("killed", "start:SIGKILL:1,7:SIGKILL,restore:SIGKILL:0,"
+                                                   "13:SIGTERM,20:SIGKILL")):
         monkeypatch.setenv("KILLS", kills)
         out = tmp_path / f"{name}-out"
         out.mkdir()
-        proc, log = _launcher.start(["-n", "2", "--max-restarts", "4", SCRIPT,
+        proc, log = _launcher.start(["-n", "2", "--max-restarts", "6", SCRIPT,
                                      str(tmp_path / f"{name}-ckpt"), str(out), engine,
                                      str(workers)], tmp_path, f"{name}.log")
         runs[name] = (proc, log, out)
@@ -63,7 +66,7 @@ def test_the_common_script_shape_killed_and_stopped_ends_bit_identical(
         assert _launcher.finish(proc, 240) == 0, log.read_text()[-6000:]
     reference, killed = runs["reference"][2], runs["killed"][2]
     text = runs["killed"][1].read_text()
-    assert "SIGTERM received: saved" in text and text.count("resuming from") == 3, text[-4000:]
+    assert "SIGTERM received: saved" in text and text.count("resuming from") == 4, text[-4000:]
     for rank in range(2):
         want, got = _losses(reference, rank), _losses(killed, rank)
         assert sorted(want) == list(range(1, STEPS + 1))

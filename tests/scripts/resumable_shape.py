@@ -4,8 +4,11 @@ shape of a training script, in resumable(), killed by itself at given steps.
 usage: resumable_shape.py CKPT_DIR OUT_DIR ENGINE WORKERS
 The seed is set before the scopes, `run.step` is read before the model is built (a log line)
 and in the loop; the model has dropout, the loader shuffles without a generator of its own
-(WORKERS worker processes). KILLS ("step:SIGNAL,..."; one per attempt) makes attempt i send
-itself that signal when it reads that step in the loop. Every step appends "step loss.hex()
+(WORKERS worker processes). KILLS ("WHEN:SIGNAL[:RANK],..."; one per attempt) makes attempt i
+send itself that signal (on every rank, or on RANK alone) at WHEN: a step number (when the loop
+reads that step), `start` (before `distributed()`: the other rank is in the rendezvous) or
+`restore` (inside the first forward of a resumed attempt: the model is restored, the optimizer,
+scheduler and RNG streams are not yet). Every step appends "step loss.hex()
 attempt" to OUT_DIR/loss.rank{R}; the finished run writes OUT_DIR/final.rank{R}.pt.
 """
 
@@ -27,7 +30,13 @@ from accel_ctx import distributed, resumable, sharded, state
 ckpt, out, engine, workers = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 kills = [k.split(":") for k in os.environ.get("KILLS", "").split(",") if k]
-kill = (int(kills[attempt][0]), getattr(signal, kills[attempt][1])) if attempt < len(kills) else None
+when, signum, on_rank = (kills[attempt] + [""])[:3] if attempt < len(kills) else ("", "", "")
+if on_rank and int(on_rank) != int(os.environ["RANK"]):
+    when = ""
+kill: tuple[int, signal.Signals] | None = (int(when), getattr(signal, signum)) \
+    if when.isdigit() else None
+if when == "start":
+    os.kill(os.getpid(), getattr(signal, signum))
 g = torch.Generator().manual_seed(1)
 data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
 
@@ -47,6 +56,8 @@ with ExitStack() as scopes:
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=workers)
+    if when == "restore" and run.resumed:
+        model.register_forward_pre_hook(lambda *_: os.kill(os.getpid(), getattr(signal, signum)))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, epochs=3,
                                                 steps_per_epoch=len(loader))
     with (out / f"loss.rank{state().rank}").open("a") as log:
