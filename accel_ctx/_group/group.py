@@ -101,6 +101,7 @@ def start_job(options: DistributedOptions, exits: ExitStack,
     if on_job is not None:  # the scope's own undo (engines released, a last evaluation's verdict)
         on_job(job, exits)
     _watch(job, exits)
+    exits.push(job.end)  # first of all: the group, engines and watch are all still there
     return job
 
 

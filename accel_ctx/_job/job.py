@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,6 +109,16 @@ class Job:
         self.waits = 0  # wait_for_everyone() calls: results may meet through files (_eval_passes)
         self.no_grad_forwards = 0  # top-level forwards without gradients (evaluations)
         self._meshes: dict[tuple[str, int], DeviceMesh] = {}
+        # run as the outermost distributed() exits, while the group and engines are there (a
+        # resumable() entered outside it writes its final checkpoint): each gets the exception
+        self.at_end: list[Callable[[BaseException | None], None]] = []
+
+    def end(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+            tb: object) -> bool:
+        """The outermost ``distributed()`` exits: ``at_end``, the newest first."""
+        while self.at_end:
+            self.at_end.pop()(exc)
+        return False
 
     @property
     def rank(self) -> int:

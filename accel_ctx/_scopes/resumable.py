@@ -10,26 +10,24 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from typing_extensions import override
+from typing_extensions import Self, override
 
-from .._checkpoint import dcp as objs
-from .._checkpoint import files, find, guard
-from .._checkpoint.restore import META, Checkpoint, is_loader, new_group
-from .._checkpoint.resume_run import ResumeRuntime
+from .._checkpoint import files
+from .._checkpoint.restore import META, is_loader
 from .._hooks.scope import Scope, _Entry
 from .._kernel import state as _state
 from .._kernel.concern import Concern
 from .._options import checked, file_path, positive, whole
-from ..errors import CheckpointError, ConfigurationError
+from ..errors import ConfigurationError
+from .resumable_entry import Run, enter, leave, make
 
 __all__ = ["resumable"]
-
-RUN_LOCK = ".run.lock"
 
 
 @checked
@@ -98,20 +96,29 @@ class resumable(Scope):
         self._every_steps = every_steps
         self._every_minutes = every_minutes
         self._keep_last = keep_last
-        self._ended: ResumeRuntime | None = None
+        self._ended: Run | None = None
+        # a decorated call runs in a clone: the decorator object reads the clone's run
+        self._origin: resumable = self
+        self._clones: weakref.WeakSet[resumable] = weakref.WeakSet()
 
     # ---- the scope -----------------------------------------------------------------------------
     @override
+    def _clone(self) -> Self:
+        clone = super()._clone()
+        clone._origin = self._origin
+        self._origin._clones.add(clone)
+        return clone
+
+    @override
     def _open(self, exits: ExitStack) -> Concern:
-        runtime = ResumeRuntime(self._folder, self._every_steps, self._every_minutes,
-                                self._keep_last)
+        runtime = make(self._folder, self._every_steps, self._every_minutes, self._keep_last)
 
         def close(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
             try:
                 runtime.close(exc)
             finally:
-                _leave(runtime)
-                self._ended = runtime  # read after the block: `print(run.step)`
+                leave(runtime)
+                self._ended = self._origin._ended = runtime  # read after: `print(run.step)`
             return False
 
         exits.push(close)
@@ -121,29 +128,32 @@ class resumable(Scope):
     def _activate(self, entry: _Entry) -> None:
         super()._activate(entry)
         runtime = entry.frame.runtimes[0]
-        assert isinstance(runtime, ResumeRuntime) and entry.stack is not None
-        if runtime.opened:
+        assert isinstance(runtime, Run) and entry.stack is not None
+        if runtime.entered:
             return  # a decorated generator resumed
         try:
-            _enter(runtime, entry.stack)
+            enter(runtime, entry.stack)
         except BaseException:
-            _leave(runtime)
+            leave(runtime)
             _state.pop(entry.stack, entry.token)  # type: ignore[arg-type]
             entry.stack = entry.token = None
             raise
 
     # ---- the run ---------------------------------------------------------------------------------
-    def _runtime(self, after_the_block: bool = False) -> ResumeRuntime:
+    def _runtime(self, after_the_block: bool = False) -> Run:
         thread = _state._get_ident()
-        for entry in reversed(self._entries):
-            if entry.thread == thread and isinstance(entry.frame.runtimes[0], ResumeRuntime):
-                return entry.frame.runtimes[0]
+        entries = [*self._entries, *(e for c in list(self._clones) for e in c._entries)]
+        for entry in reversed(entries):
+            runtime = entry.frame.runtimes[0]
+            if entry.thread == thread and isinstance(runtime, Run):
+                runtime.need()  # a run whose folder opens when first needed: now
+                return runtime
         if after_the_block and self._ended is not None:
             return self._ended  # what the run ended with, read only
         raise ConfigurationError(
-            "resumable(): use the run inside its `with resumable(...) as run:` block (after "
-            "it, only run.step, run.resumed, run.finished, run.checkpoint and run.values can "
-            "be read).")
+            "resumable(): use the run inside its `with resumable(...) as run:` block, or inside "
+            "the function it decorates (after them, only run.step, run.resumed, run.finished, "
+            "run.checkpoint and run.values can be read).")
 
     @property
     def step(self) -> int:
@@ -153,6 +163,7 @@ class resumable(Scope):
         restores the RNG streams: read it at the top of the loop, after the model is built."""
         runtime = self._runtime(after_the_block=True)
         if runtime.opened:
+            runtime.step_first = runtime.step_first or not runtime.loader_seen
             runtime.step_read()
         return runtime.session.step
 
@@ -183,6 +194,7 @@ class resumable(Scope):
         restart (whose DataLoader goes on with the batches that epoch had not seen)."""
         whole("run.epochs", "n", n, 0)
         runtime = self._runtime()
+        runtime.epochs_called = True
         meta = runtime.meta
         for epoch in range(runtime.start_epoch(), n):
             meta.next_epoch = epoch
@@ -216,7 +228,7 @@ class resumable(Scope):
             runtime.meta.values.setdefault(name, obj)
 
 
-def _track_loader(runtime: ResumeRuntime, name: str, loader: Any) -> None:
+def _track_loader(runtime: Run, name: str, loader: Any) -> None:
     from .._data import records
     from .._data.position import apply_position
 
@@ -229,72 +241,3 @@ def _track_loader(runtime: ResumeRuntime, name: str, loader: Any) -> None:
     for entry, generator in zip(saved, generators, strict=True):
         if entry["name"] == name:
             apply_position(loader, records.loader_record(loader), entry, generator)
-
-
-def _enter(runtime: ResumeRuntime, stack: _state.Stack) -> None:
-    """Every rank: the folder (rank 0 checks it can write there and holds it), the group for
-    the boundaries' agreement, the newest checkpoint, the signal handlers."""
-    rank, world = objs.rank_world()
-    root = runtime.folder
-    error: BaseException | None = None
-    if rank == 0:
-        try:
-            files.make_root(root)
-            lock = guard.FolderLock(root)
-            lock.path = root / RUN_LOCK
-            try:
-                runtime.lock = lock.acquire()
-            except CheckpointError:
-                raise CheckpointError(
-                    f"resumable({root}): another run is using this folder ({lock._held()}). "
-                    "Two runs in one folder would resume and rotate out each other's "
-                    "checkpoints: give each run its own folder."
-                ) from None
-            probe = root / f".write-test-{os.getpid()}"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except CheckpointError as exc:
-            error = exc
-        except OSError as exc:
-            error = CheckpointError(
-                f"resumable({root}): cannot write checkpoints there ({exc}). Give a folder "
-                "this job can write to.")
-    objs.agree(error, f"open the run folder {root}")
-    job = stack.job
-    group = new_group(world, job.options.timeout if job is not None else None)
-    runtime.group = group
-    runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
-    folder = find.choose(root, rank, world, False)
-    checkpoint = Checkpoint(folder, rank, world) if folder is not None else None
-    # Before the restore: a signal while it runs is kept for the first boundary (a kill
-    # while restoring would lose nothing, but could not say why it ended).
-    runtime.uninstall = runtime.signals.install()
-    runtime.open(stack, checkpoint, group, rank, world)
-    if checkpoint is not None and rank == 0 and not runtime.meta.finished:  # it said so
-        from .._checkpoint.resume_run import log
-
-        log.warning("resumable(%s): resuming from %s (step %d, epoch %d)%s", root,
-                    checkpoint.folder.name, checkpoint.step, checkpoint.epoch,
-                    "" if checkpoint.same_world else
-                    f"; resumed on {world} processes, the checkpoint was written by "
-                    f"{checkpoint.saved_world}: the data not yet seen is split among {world}, so "
-                    "the run continues correctly but not bit-identically")
-
-
-def _leave(runtime: ResumeRuntime) -> None:
-    uninstall = runtime.uninstall
-    if uninstall is not None:
-        runtime.uninstall = None
-        uninstall()
-    lock = runtime.lock
-    if lock is not None:
-        runtime.lock = None
-        lock.release()
-    groups = [g for g in (runtime.group, runtime.saver.group) if g is not None]
-    runtime.group = runtime.saver.group = None
-    if groups:
-        import torch.distributed as dist
-
-        for group in groups:
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
