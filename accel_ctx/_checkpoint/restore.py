@@ -10,6 +10,7 @@ accel_ctx owns, loader positions wait for their loader's next ``iter()``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from datetime import timedelta
@@ -34,14 +35,19 @@ class Meta:
 
     def __init__(self, script: str) -> None:
         self.script = script
+        # the script's resolved path and content hash: a copy elsewhere is another run
+        self.path, self.digest = script_identity()
+        self.keys: set[str] | None = None  # an old checkpoint's entries: the template's keys
         self.values: dict[str, Any] = {}
         self.next_epoch = 0  # of run.epochs(): the one under way, or the next once it ended
         self.finished = False  # saved as the scope ended normally
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"script": self.script, "values": json.dumps(self.values),
-                "epoch": self.next_epoch, "finished": int(self.finished)}
+        out = {"script": self.script, "values": json.dumps(self.values),
+               "epoch": self.next_epoch, "finished": int(self.finished),
+               "script_path": self.path, "script_hash": self.digest}
+        return out if self.keys is None else {k: v for k, v in out.items() if k in self.keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loaded = dict(state)
@@ -54,6 +60,46 @@ def script_name() -> str:
         return Path(path).name
     spec = getattr(main, "__spec__", None)
     return str(getattr(spec, "name", None) or "<interactive>")
+
+
+def script_identity() -> tuple[str, str]:
+    """(resolved path, sha256 of the content) of the script run; ("", "") without a file."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    try:
+        resolved = Path(path).resolve() if path else None
+        return (str(resolved), hashlib.sha256(resolved.read_bytes()).hexdigest()) \
+            if resolved is not None else ("", "")
+    except OSError:
+        return "", ""
+
+
+def check_script(folder: Path, meta: Meta, loaded: dict[str, Any]) -> str | None:
+    """Refuse a checkpoint another script wrote; the warning for the same script moved."""
+    saved, path, digest = loaded.get("script"), loaded.get("script_path"), loaded.get("script_hash")
+    fix = (f"A folder holds one script's run: give this script a folder of its own, or move "
+           f"{folder} away to start afresh.")
+    if path and meta.path and path != meta.path:  # the same path, edited: a fix and restart
+        if digest != meta.digest:
+            raise CheckpointError(
+                f"resumable({folder}): its checkpoints were written by the script {path}, and "
+                f"this is {meta.path}, with other contents: another experiment. {fix}")
+        return (f"resumable({folder}): its checkpoints were written by {path}; this is the "
+                f"same script at {meta.path} (moved or copied): resuming.")
+    if not path and saved is not None and saved != meta.script:  # an older checkpoint
+        raise CheckpointError(
+            f"resumable({folder}): its checkpoints were written by the script {saved!r}, and "
+            f"this is {meta.script!r}. {fix}")
+    return None
+
+
+def load_meta(checkpoint: Checkpoint, meta: Meta) -> None:
+    """Load the run's record; a checkpoint written before a key existed loads without it."""
+    saved = files.SafeReader(checkpoint.folder).read_metadata().state_dict_metadata
+    meta.keys = {k[len(META) + 1:] for k in saved if k.startswith(META + ".")}
+    try:
+        checkpoint.load(META, meta, {}, "the run's own record")
+    finally:
+        meta.keys = None
 
 
 class Checkpoint:

@@ -44,7 +44,16 @@ from .._kernel.session import Session
 from ..errors import CheckpointError
 from . import match, saver
 from .preempt import Preempted, Signals, requeue
-from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
+from .restore import (
+    META,
+    Checkpoint,
+    Meta,
+    check_script,
+    is_loader,
+    load_meta,
+    ordinal,
+    script_name,
+)
 
 log = logging.getLogger("accel_ctx.checkpoint")
 
@@ -93,7 +102,7 @@ class ResumeRuntime(Concern):
             checkpoint.restore_loaders(stack, {})
             self.process_restored = False
             if META in checkpoint.names:
-                checkpoint.load(META, self.meta, {}, "the run's own record")
+                load_meta(checkpoint, self.meta)
                 self._check_script()
         self.start_step = self.checked_step = self.session.step
         self.saver.last_saved = checkpoint.step if checkpoint is not None else -1
@@ -103,14 +112,8 @@ class ResumeRuntime(Concern):
 
     def _check_script(self) -> None:
         loaded = self.meta.loaded or {}
-        saved = loaded.get("script")
-        if saved is not None and saved != self.meta.script:
-            raise CheckpointError(
-                f"resumable({self.folder}): its checkpoints were written by the script "
-                f"{saved!r}, and this is {self.meta.script!r}. A folder holds one script's run: "
-                f"give this script a folder of its own, or move {self.folder} away to start "
-                "afresh."
-            )
+        if (problem := check_script(self.folder, self.meta, loaded)) is not None:
+            self._say(problem)  # the same script moved: it goes on
         self.meta.values.update(json.loads(loaded.get("values", "{}")))
         self.meta.next_epoch = int(loaded.get("epoch", 0))
         self.meta.finished = bool(loaded.get("finished", 0)) or (
