@@ -43,17 +43,9 @@ from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import Session
 from ..errors import CheckpointError
 from . import match, saver
+from . import restore as _restore
 from .preempt import Preempted, Signals, requeue
-from .restore import (
-    META,
-    Checkpoint,
-    Meta,
-    check_script,
-    is_loader,
-    load_meta,
-    ordinal,
-    script_name,
-)
+from .restore import META, Checkpoint, Meta, is_loader, ordinal, script_name
 
 log = logging.getLogger("accel_ctx.checkpoint")
 
@@ -102,7 +94,7 @@ class ResumeRuntime(Concern):
             checkpoint.restore_loaders(stack, {})
             self.process_restored = False
             if META in checkpoint.names:
-                load_meta(checkpoint, self.meta)
+                _restore.load_meta(checkpoint, self.meta)
                 self._check_script()
         self.start_step = self.checked_step = self.session.step
         self.saver.last_saved = checkpoint.step if checkpoint is not None else -1
@@ -112,7 +104,7 @@ class ResumeRuntime(Concern):
 
     def _check_script(self) -> None:
         loaded = self.meta.loaded or {}
-        if (problem := check_script(self.folder, self.meta, loaded)) is not None:
+        if (problem := _restore.check_script(self.folder, self.meta, loaded)) is not None:
             self._say(problem)  # the same script moved: it goes on
         self.meta.values.update(json.loads(loaded.get("values", "{}")))
         self.meta.next_epoch = int(loaded.get("epoch", 0))
