@@ -317,15 +317,15 @@ def test_refuses_objects_that_do_not_match_and_another_script(tmp_path):
         _train(tmp_path, 4, width=5, every_steps=1)
     meta = tmp_path.parent / "other"
     _train(meta, 2, every_steps=1)
-    from accel_ctx._checkpoint import resume_run
+    from accel_ctx._checkpoint import restore
 
-    real = resume_run.script_name
-    resume_run.script_name = lambda: "other_script.py"
+    real = restore.script_identity  # another script: another path, other contents
+    restore.script_identity = lambda: ("/elsewhere/other_script.py", "0" * 64)
     try:
         with pytest.raises(errors.CheckpointError, match="written by the script"):
             _train(meta, 4, every_steps=1)
     finally:
-        resume_run.script_name = real
+        restore.script_identity = real
 
 
 def test_misuse_is_refused_with_the_cause(tmp_path):
