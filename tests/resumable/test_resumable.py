@@ -316,12 +316,14 @@ def test_refuses_objects_that_do_not_match_and_another_script(tmp_path):
     with pytest.raises(errors.CheckpointError, match=r"model called 1st.*model0"):
         _train(tmp_path, 4, width=5, every_steps=1)
     meta = tmp_path.parent / "other"
-    _train(meta, 2, every_steps=1)
     from accel_ctx._checkpoint import restore
 
-    real = restore.script_identity  # another script: another path, other contents
-    restore.script_identity = lambda: ("/elsewhere/other_script.py", "0" * 64)
+    # the script's identity is given (under pytest-xdist __main__ has no file to read)
+    real = restore.script_identity
+    restore.script_identity = lambda: ("/here/train.py", "1" * 64)
     try:
+        _train(meta, 2, every_steps=1)
+        restore.script_identity = lambda: ("/elsewhere/other_script.py", "0" * 64)
         with pytest.raises(errors.CheckpointError, match="written by the script"):
             _train(meta, 4, every_steps=1)
     finally:
