@@ -55,6 +55,7 @@ def launch_main(argv: Sequence[str]) -> int:
     from pathlib import Path
 
     from ._launch import args as _launch_args
+    from ._launch import replica_groups as _replica_groups
     from ._launch import script as _script
     from ._launch.config import fail
     from ._launch.help import launch_help
@@ -80,6 +81,8 @@ def launch_main(argv: Sequence[str]) -> int:
         return fail("launch", exc)
     if plan.network.warning:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
+    if _replica_groups.wanted(plan.settings, os.environ):  # a lighthouse, a launcher per group
+        return _replica_groups.run(argv, int(plan.settings["replica_groups"]), os.environ, fail)
     held = master_held(plan.settings.get("master"))
     if held:
         print(f"accel-ctx launch: {held}", file=sys.stderr)

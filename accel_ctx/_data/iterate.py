@@ -68,10 +68,15 @@ def _drops_last(loader: DataLoader[Any]) -> bool:
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
     job = stack.job if stack is not None else None
     # data-parallel coordinates: the ranks of a tensor-parallel group get the same batches
-    if job is None or job.coordinates.dp_size == 1 or _already_sharded(loader):
+    # and over replica groups too: group g's ranks take the g-th block of dp_size shares
+    if job is None or _already_sharded(loader):
         return ShardPlan(skip=skip)
-    return ShardPlan(job.coordinates.dp_rank, job.coordinates.dp_size, job.options.even_batches, skip,
-                     _drops_last(loader))
+    where, launch = job.coordinates, job.launch
+    size = where.dp_size * launch.replica_groups
+    if size == 1:
+        return ShardPlan(skip=skip)
+    return ShardPlan(launch.replica_group * where.dp_size + where.dp_rank, size,
+                     job.options.even_batches, skip, _drops_last(loader))
 
 
 class _IndexView:

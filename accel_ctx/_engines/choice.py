@@ -21,6 +21,7 @@ from typing_extensions import override
 from .._job.job import Job
 from .._job.tp_plan import TensorPlan
 from .._kernel.session import Session
+from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import replicate as _replicate
@@ -71,6 +72,14 @@ class DataParallel(EngineChoice):
                     obj.to(job.device)
 
 
+class ReplicaGroups(DataParallel):
+    """``distributed()`` in a replica group (``accel-ctx launch --replica-groups``): DDP inside
+    the group; across the groups the gradients are averaged and each step committed by torchft's
+    Manager (``_engines.fault_tolerant.ReplicaGroupRuntime``, opened beside the scope's runtime)."""
+
+    setting_up = "setting up DDP in a replica group"
+
+
 class _Splits(EngineChoice):
     """An engine that replaces the parameters (shards or splits them): laid out before a load
     (each rank then reads only its part) or a touch, and the optimizers pointed at them."""
@@ -105,8 +114,17 @@ class TensorParallel(_Splits):
         self.prepare = functools.partial(_tensor_parallel.prepare, tensor=tensor, sharding=plan)
 
 
-def choose(plan: _fsdp.ShardingPlan | None, tensor: TensorPlan | None) -> EngineChoice:
+def choose(plan: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
+           replica_groups: bool = False) -> EngineChoice:
     """The engine for a scope entry's models: the one place that looks at the kinds."""
+    if replica_groups:
+        if plan is not None or tensor is not None:
+            raise ConfigurationError(
+                "replica groups (accel-ctx launch --replica-groups) run distributed() (DDP "
+                "inside each group) for now; sharded() and tensor parallelism across replica "
+                "groups (torchft's HSDP) are not supported yet. Use distributed(), or launch "
+                "without --replica-groups.")
+        return ReplicaGroups()
     if tensor is not None:
         return TensorParallel(tensor, plan)
     if plan is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import LaunchEnvironmentError
 from .coordinates import SINGLE, Coordinates
@@ -18,6 +18,11 @@ DEFAULT_PORT = 29500
 MIXED_PRECISION_VAR = "ACCEL_CTX_MIXED_PRECISION"
 INIT_METHOD_VAR = "ACCEL_CTX_INIT_METHOD"
 DEBUG_VAR = "ACCEL_CTX_DEBUG"
+# Replica groups (``accel-ctx launch --replica-groups R``): torchft's own names, as its
+# train_ddp.py example reads them, so a script written for torchft sees the same variables.
+LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
+REPLICA_GROUP_VAR = "REPLICA_GROUP_ID"
+REPLICA_GROUPS_VAR = "NUM_REPLICA_GROUPS"
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,12 @@ class LaunchEnv:
     init_method: str | None = None
     restart_count: int = 0
     use_agent_store: bool = False
+    replica_group: int = 0
+    """This process's replica group (``REPLICA_GROUP_ID``): 0 without replica groups."""
+    replica_groups: int = 1
+    """Replica groups the job was started with (``NUM_REPLICA_GROUPS``)."""
+    lighthouse: str | None = None
+    """The torchft lighthouse the replica groups meet at (``TORCHFT_LIGHTHOUSE``); None: none."""
 
     @property
     def is_distributed(self) -> bool:
@@ -75,8 +86,22 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchEnv:
         launch = _from_slurm(env)
     else:
         launch = LaunchEnv("single", init_method=env.get(INIT_METHOD_VAR) or None)
+    if env.get(LIGHTHOUSE_VAR, ""):
+        launch = _with_replica_groups(launch, env)
     _validate(launch)
     return launch
+
+
+def _with_replica_groups(launch: LaunchEnv, env: Mapping[str, str]) -> LaunchEnv:
+    group = _opt_int(env, REPLICA_GROUP_VAR) or 0
+    groups = _opt_int(env, REPLICA_GROUPS_VAR) or 1
+    if not 0 <= group < groups:
+        raise LaunchEnvironmentError(
+            f"{REPLICA_GROUP_VAR}={group} with {REPLICA_GROUPS_VAR}={groups}: a replica group's "
+            f"index runs from 0 to {groups - 1}. Start the groups with `accel-ctx launch "
+            "--replica-groups R`, or set both variables consistently.")
+    return replace(launch, replica_group=group, replica_groups=groups,
+                   lighthouse=env[LIGHTHOUSE_VAR])
 
 
 def _from_torchrun(env: Mapping[str, str]) -> LaunchEnv:

@@ -179,6 +179,16 @@ SETTINGS: tuple[Setting, ...] = (
         convert=_count, fix="give a whole number, 0 or more",
         default=0, example="1",
     ),
+    Setting(
+        "replica_groups", ("--replica-groups",), "R",
+        meaning="fault-tolerant replica groups of -n processes each (1: none)",
+        help="start R replica groups of -n processes each, and a torchft lighthouse: when a "
+        "group fails the others go on at the same step, and the group (restarted with "
+        "--max-restarts) heals from a live peer. Needs accel-ctx[ft].",
+        question="Fault-tolerant replica groups (1: none)",
+        convert=lambda v: n if (n := _whole(v)) is not None and n >= 1 else None,
+        fix="give a whole number, 1 or more", default=1, example="2",
+    ),
 )
 """Every setting, in the order of questions, help and files."""
 

@@ -25,6 +25,9 @@ from .._engines import (
     choice as _choice,
 )
 from .._engines import (
+    fault_tolerant as _fault_tolerant,
+)
+from .._engines import (
     fsdp as _fsdp,
 )
 from .._engines import (
@@ -130,8 +133,10 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
     job = start_job(options, exits, on_job=_job_exits)
     _check_tensor(job, tensor, plan)
     runtime = DistributedRuntime(job, plan, tensor)
+    replicas = (_fault_tolerant.ReplicaGroupRuntime(job, exits),) if job.launch.lighthouse else ()
     default = precision_from_env(job.device, exits)
-    return (runtime, default) if default is not None else runtime
+    more = (*replicas, default) if default is not None else replicas
+    return (runtime, *more) if more else runtime
 
 
 def _job_exits(job: Job, exits: ExitStack) -> None:
@@ -173,7 +178,8 @@ class DistributedRuntime(Concern):
         self.job = job
         self.plan = plan  # sharded(): FSDP2 for the models adopted from now on
         self.tensor = tensor  # tp=N: tensor parallelism (then FSDP2 over "dp" under sharded())
-        self.engines = _choice.choose(plan, tensor)  # asked, never branched on
+        # asked, never branched on
+        self.engines = _choice.choose(plan, tensor, job.launch.lighthouse is not None)
         # TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors
         self._plain_beside_split = tensor is not None and not _tensor_parallel.shards_over_dp(
             job, plan)

@@ -64,13 +64,19 @@ class State(Coordinates):
     sync_gradients: bool = True
     """Whether the last backward closed an accumulation group (a real optimizer step follows)."""
     step: int = 0
-    """Optimizer steps taken in this scope (once per accumulation group, skipped ones included)."""
+    """Optimizer steps taken in this scope (once per accumulation group, skipped ones included).
+    In a replica group: the job's committed steps, the same in every group (a group that healed
+    from a peer counts on from the peer's step)."""
     loader: Any = None
     """The DataLoader being iterated by the innermost loop in this scope (None between loops)."""
     batch_index: int = -1
     """0-based index, in this rank's share of the epoch, of the batch ``loader`` handed out last."""
     end_of_loader: bool = False
     """That batch is the last of ``loader``'s epoch on this rank (log, step a scheduler...)."""
+    replica_group: int = 0
+    """This process's replica group (``accel-ctx launch --replica-groups R``: 0 to R-1)."""
+    replica_groups: int = 1
+    """Replica groups that took part in the last optimizer step (before the first: as launched)."""
     _device_counts: _DeviceCounts | None = field(default=None, repr=False, compare=False)
 
     @property

@@ -83,7 +83,8 @@ def test_interview_checks_each_answer_when_given_and_asks_it_again(home, capsys)
                     "h:1",               # master
                     "5", "1",            # node_rank: out of range for 2 nodes, asked at once
                     "fp4", "bf16",       # mixed_precision
-                    "-1", "0"])          # max_restarts
+                    "-1", "0",           # max_restarts
+                    "0", "1"])           # replica_groups
     asked = []
 
     def ask(prompt):
@@ -94,8 +95,9 @@ def test_interview_checks_each_answer_when_given_and_asks_it_again(home, capsys)
     out = capsys.readouterr().out
     assert [q.split()[0] for q in asked] == ["Processes", "Processes", "Machines", "Machines",
                                              "Address", "This", "This", "Mixed", "Mixed",
-                                             "Restarts", "Restarts"]
-    for bad in ("'abc'", "'3:2'", "'fp4'", "'-1'"):
+                                             "Restarts", "Restarts", "Fault-tolerant",
+                                             "Fault-tolerant"]
+    for bad in ("'abc'", "'3:2'", "'fp4'", "'-1'", "'0'"):
         assert f"{bad} is not valid" in out
     assert "node_rank 5 with 2 machine(s)" in out and "None" not in out
     text = (home / "xdg" / "accel-ctx" / "config.toml").read_text()

@@ -132,7 +132,7 @@ def _drive(argv, answers, cwd, env, timeout=60.0):
 def test_interactive_questions_on_a_terminal(tmp_path):
     target = tmp_path / "asked.toml"
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "OMP_NUM_THREADS": "1"}
-    answers = ["4", "2", "not-an-address", "node0:29500", "", "bf16", "1"]
+    answers = ["4", "2", "not-an-address", "node0:29500", "", "bf16", "1", "1"]
     code, transcript = _drive([ACCEL_CTX, "config", "--config", str(target)], answers,
                               tmp_path, env)
     assert code == 0, transcript
@@ -141,7 +141,7 @@ def test_interactive_questions_on_a_terminal(tmp_path):
     assert f"wrote {target}" in transcript
     assert _config.read_file(target) == {"nproc": 4, "nnodes": 2, "master": "node0:29500",
                                          "node_rank": 0, "mixed_precision": "bf16",
-                                         "max_restarts": 1}
+                                         "max_restarts": 1, "replica_groups": 1}
 
 
 def test_env_report_names_versions_devices_and_config(home, capsys):
