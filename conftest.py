@@ -10,11 +10,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import cpu_unless_gpu_test, no_state_left_behind
 
 __all__ = ["cpu_unless_gpu_test", "no_state_left_behind"]
 
 _TESTS = Path(__file__).resolve().parent / "tests"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true", help=(
+        "the fast tier: only the tests that start no process (tests/_fast.py; ./dev test --fast)"))
 
 
 def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:

@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from accel_ctx._hooks import patches as _patches
 from accel_ctx._kernel import state as _state
 
-from . import _timeouts
+from . import _fast, _timeouts
 
 torch.set_num_threads(1)
 
@@ -93,6 +93,13 @@ def cpu_unless_gpu_test(request, no_state_left_behind, monkeypatch):
         monkeypatch.setenv("ACCEL_CTX_DEVICE", "cpu")
 
 
+@pytest.fixture(autouse=True)
+def fast_tier_starts_no_process(request, monkeypatch):
+    """Under --fast a test that starts a Python process fails, naming the marker it lacks."""
+    if request.config.getoption("fast", False):
+        _fast.guard(monkeypatch)
+
+
 # The test files that take longest (launcher runs, spawned ranks, timeouts waited out), in the
 # order the workers take them. `./dev test` runs the files on two pytest-xdist workers (--dist
 # loadfile), each file on one worker, handed out in collection order (pytest_configure below):
@@ -157,6 +164,8 @@ COMPAT = (
 
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", f"{_fast.MARKER}: starts processes; not in the fast tier "
+                            "(found at collection by tests/_fast.py, or marked by hand)")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
 
@@ -180,10 +189,15 @@ def pytest_itemcollected(item):  # before `-m` selects
     path = Path(item.path)
     if _TESTS in path.parents and path.relative_to(_TESTS).as_posix() in COMPAT:
         item.add_marker(pytest.mark.compat)
+    if _fast.starts_processes(item):
+        item.add_marker(_fast.MARKER)
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's own grouping by fixture
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("fast", False):  # the fast tier: what starts no process
+        config.hook.pytest_deselected(items=[i for i in items if _fast.MARKER in i.keywords])
+        items[:] = [i for i in items if _fast.MARKER not in i.keywords]
     items[:] = _dispatch_order(items)
     if torch.cuda.is_available():
         return
