@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import re
 import socket
 import time
 from pathlib import Path
@@ -382,7 +383,9 @@ def test_an_out_of_memory_before_the_forward_names_every_ranks_batch_size(calls_
         assert "rank 1 ran out of memory at batch size 8" in message, message
         assert "Each rank: rank 0 at batch size 8, step 0, in forward" in message, message
         assert "rank 1 at batch size 8, ran out of memory" in message, message
-        assert "rank 2 at batch size 8, step 0, in forward" in message, message
+        # rank 2 may not have reached its forward when rank 1's failure is read
+        assert re.search(r"rank 2 at batch size 8, (step 0, in forward|step 0, before any "
+                         r"forward)", message), message
 
 
 def test_a_sharded_forward_under_if_rank_zero_ends_by_default_naming_rank_zero(tmp_path):
