@@ -16,9 +16,34 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import re
+from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+
+# The oldest torch the compat tier passes on (./dev compat; pyproject.toml's torch>= says the
+# same, a test holds them equal). Read from torch's metadata, not by importing it: `import
+# accel_ctx` loads no torch, and an older one should fail here, not deep inside a scope.
+_TORCH_FLOOR = (2, 11)
+
+
+def _check_torch() -> None:
+    try:
+        installed = metadata.version("torch")
+    except metadata.PackageNotFoundError:  # none installed (the launcher's --help needs none)
+        return
+    found = re.match(r"(\d+)\.(\d+)", installed)
+    if found is None or (int(found[1]), int(found[2])) >= _TORCH_FLOOR:
+        return  # a build with an odd version string is let through to speak for itself
+    floor = ".".join(map(str, _TORCH_FLOOR))
+    raise errors.UnsupportedTorchError(
+        f"accel_ctx needs torch {floor} or newer; this environment has torch {installed}. "
+        f"Upgrade it (python -m pip install 'torch>={floor}', the build for your CUDA), or run "
+        f"accel_ctx in an environment with a newer torch.")
+
+
+_check_torch()
 
 if TYPE_CHECKING:  # the real imports, for type checkers; at run time each name loads on use
     from ._checkpoint import Resumed, load_state, save_model, save_state

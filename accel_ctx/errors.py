@@ -25,6 +25,7 @@ __all__ = [
     "NotInitializedError",
     "PatchConflictError",
     "RendezvousError",
+    "UnsupportedTorchError",
 ]
 
 
@@ -134,5 +135,18 @@ class CheckpointError(AccelCtxError, RuntimeError):
     Examples:
         >>> from accel_ctx.errors import CheckpointError
         >>> issubclass(CheckpointError, RuntimeError)
+        True
+    """
+
+
+class UnsupportedTorchError(AccelCtxError, ImportError):
+    """The installed torch is older than accel_ctx supports, or lacks a feature a call asks for.
+
+    The message names the torch release that has it. Also an ``ImportError``: ``import
+    accel_ctx`` raises it on a torch below the supported floor.
+
+    Examples:
+        >>> from accel_ctx.errors import UnsupportedTorchError
+        >>> issubclass(UnsupportedTorchError, ImportError)
         True
     """

@@ -92,3 +92,43 @@ def test_every_module_has_its_place_in_the_layers_contract():
     long = {m: n for m in modules
             if (n := len((root / (m.replace(".", "/") + ".py")).read_text().splitlines())) > 350}
     assert not long, f"modules over 350 lines: {long}"
+
+
+def test_an_older_torch_fails_the_import_naming_the_floor(tmp_path):
+    """A torch below the floor is refused at `import accel_ctx`, read from its metadata (no torch
+    import), not met later as an AttributeError deep inside a scope."""
+    dist = tmp_path / "torch-2.10.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.10.0+cu128\n")
+    code = (
+        "import sys\n"
+        "try:\n"
+        "    import accel_ctx\n"
+        "except ImportError as e:\n"
+        "    assert type(e).__name__ == 'UnsupportedTorchError', type(e)\n"
+        "    assert 'torch' not in sys.modules\n"
+        "    print(e)\n"
+        "else:\n"
+        "    raise SystemExit('imported on torch 2.10')\n"
+    )
+    import os
+
+    path = os.pathsep.join([str(tmp_path), *sys.path])  # the fake torch found first
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=scaled(120), env={**os.environ, "PYTHONPATH": path})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "accel_ctx needs torch 2.11 or newer; this environment has torch 2.10.0+cu128" \
+        in result.stdout, result.stdout
+
+
+def test_the_import_floor_is_the_one_pyproject_claims():
+    from pathlib import Path
+
+    import tomllib
+
+    from accel_ctx import _TORCH_FLOOR
+
+    root = Path(accel_ctx.__file__).parent.parent
+    dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    [torch] = [d for d in dependencies if d.startswith("torch")]
+    assert torch == "torch>=" + ".".join(map(str, _TORCH_FLOOR)), torch
