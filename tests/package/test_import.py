@@ -131,4 +131,7 @@ def test_the_import_floor_is_the_one_pyproject_claims():
     root = Path(accel_ctx.__file__).parent.parent
     dependencies = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     [torch] = [d for d in dependencies if d.startswith("torch")]
-    assert torch == "torch>=" + ".".join(map(str, _TORCH_FLOOR)), torch
+    floor = ".".join(map(str, _TORCH_FLOOR))
+    assert torch == f"torch>={floor}", torch
+    ci = (root / ".ci" / "run").read_text()
+    assert f"./dev compat {floor}.0\n" in ci, "CI runs the compat tier on the floor"
