@@ -31,8 +31,10 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
     (to ``path`` with ``.pt`` in place of ``.safetensors``, with a warning, if the package is
     missing). Keys are the model's own, without ``module.`` or other wrapper prefixes, and
     sharded models are gathered first, so the file loads into a fresh model with plain
-    PyTorch: ``model.load_state_dict(torch.load(path, weights_only=True))``. The file is
-    written beside ``path`` and renamed into place, so ``path`` never holds half a model.
+    PyTorch: ``model.load_state_dict(torch.load(path, weights_only=True))`` (a safetensors
+    file: ``torch.load`` reads it from torch 2.13 on, ``safetensors.torch.load_file`` before).
+    The file is written beside ``path`` and renamed into place, so ``path`` never holds half a
+    model.
     Returns the path written (on every rank). Every rank must call it: called on some ranks
     only, it raises ``DistributedError`` naming the ranks that never came (see
     :func:`save_state`); a full disk raises ``CheckpointError`` saying so.

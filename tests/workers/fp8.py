@@ -157,6 +157,18 @@ def differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
+def load_plain(path: Path) -> dict[str, torch.Tensor]:
+    """The file as a user loads it: torch.load reads a .safetensors file from torch 2.13 on (the
+    check there stays torch.load's); an older torch needs safetensors' own loader."""
+    torch_version = tuple(map(int, torch.__version__.split(".")[:2]))
+    if path.suffix == ".safetensors" and torch_version < (2, 13):
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    loaded: dict[str, torch.Tensor] = torch.load(path, weights_only=True)
+    return loaded
+
+
 def saved_model_loads_plain(kind: str, path: Path) -> dict[str, Any]:
     model, opt = model_and_optimizer()
     batches = torch.Generator().manual_seed(3 + rank())
@@ -166,10 +178,10 @@ def saved_model_loads_plain(kind: str, path: Path) -> dict[str, Any]:
         save_model(model, path)
         save_state(path.parent / "ckpt", model=model, optimizer=opt)
     plain = GPT(CONFIG)
-    result = plain.load_state_dict(torch.load(path, weights_only=True))
+    result = plain.load_state_dict(load_plain(path))
     return {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
             "differ": differ(weights, {k: v.float() for k, v in plain.state_dict().items()}),
-            "types": {type(v).__name__ for v in torch.load(path, weights_only=True).values()}}
+            "types": {type(v).__name__ for v in load_plain(path).values()}}
 
 
 def two_ranks(folder: str) -> dict[str, Any]:
