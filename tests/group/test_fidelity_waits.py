@@ -381,11 +381,13 @@ def test_an_out_of_memory_before_the_forward_names_every_ranks_batch_size(calls_
         assert got["culprit"] == 1, (rank, got)  # not a rank that waited for it
         message = got["message"]
         assert "rank 1 ran out of memory at batch size 8" in message, message
-        assert "Each rank: rank 0 at batch size 8, step 0, in forward" in message, message
+        # every rank's size; ranks 0 and 2 may not have said they reached their forward yet
+        # when rank 1's failure is read (either was seen in full runs under load)
+        for healthy in (0, 2):
+            assert re.search(rf"rank {healthy} at batch size 8, step 0, (in forward|before any "
+                             r"forward)", message), message
+        assert "Each rank: rank 0 at batch size 8" in message, message
         assert "rank 1 at batch size 8, ran out of memory" in message, message
-        # rank 2 may not have reached its forward when rank 1's failure is read
-        assert re.search(r"rank 2 at batch size 8, (step 0, in forward|step 0, before any "
-                         r"forward)", message), message
 
 
 def test_a_sharded_forward_under_if_rank_zero_ends_by_default_naming_rank_zero(tmp_path):
