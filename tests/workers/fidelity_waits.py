@@ -131,24 +131,27 @@ def waits_with_progress_lines(seconds: float) -> dict[str, Any]:
 
 
 # --- 8e: find_executable_batch_size, one rank out of memory before its forward -------------------
+def _until_rank_one_runs_out_of_memory(**options: Any) -> int:
+    """find_executable_batch_size in distributed(**options); rank 1 runs out of memory at
+    batch size 8, before its forward."""
+    with distributed(**options):
+        @find_executable_batch_size(starting_batch_size=8)
+        def train(batch_size: int) -> int:
+            model = torch.nn.Linear(4, 4)
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            if state().rank == 1 and batch_size > 4:  # before it reaches the forward
+                raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+            for _ in range(2):
+                model(torch.randn(batch_size, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+            return batch_size
+
+        return train()
+
+
 def out_of_memory_before_forward(timeout: float) -> dict[str, Any]:
-    def run() -> int:
-        with distributed(timeout=timeout):
-            @find_executable_batch_size(starting_batch_size=8)
-            def train(batch_size: int) -> int:
-                model = torch.nn.Linear(4, 4)
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-                if state().rank == 1 and batch_size > 4:  # before it reaches the forward
-                    raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
-                for _ in range(2):
-                    model(torch.randn(batch_size, 4)).sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-                return batch_size
-
-            return train()
-
-    return _outcome(run)
+    return _outcome(functools.partial(_until_rank_one_runs_out_of_memory, timeout=timeout))
 
 
 # --- 9: a rank that leaves early is named where it really was ------------------------------------
@@ -214,23 +217,7 @@ def different_calls_then_out_of_memory() -> dict[str, Any]:
                 out["after"] = _outcome(lambda: gather(torch.tensor([rank])).tolist())
         out["step"] = state().step
 
-    def run() -> int:
-        with distributed():
-            @find_executable_batch_size(starting_batch_size=8)
-            def train(batch_size: int) -> int:
-                model = torch.nn.Linear(4, 4)
-                opt = torch.optim.SGD(model.parameters(), lr=0.1)
-                if state().rank == 1 and batch_size > 4:  # before it reaches the forward
-                    raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
-                for _ in range(2):
-                    model(torch.randn(batch_size, 4)).sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-                return batch_size
-
-            return train()
-
-    out["oom"] = _culprit(run)
+    out["oom"] = _culprit(_until_rank_one_runs_out_of_memory)
     return out
 
 
