@@ -27,6 +27,7 @@ from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import OptimizerRecord, Session
 from ..errors import ConfigurationError
+from .buckets import reduce_in_buckets
 
 _NO_TORCHFT = (
     "this process was started in a replica group (TORCHFT_LIGHTHOUSE is set: accel-ctx launch "
@@ -137,20 +138,11 @@ class ReplicaGroupRuntime(Concern):
         self._decided = (mark, commit)
         return commit
 
-    @torch.no_grad()
     def _average(self) -> None:
         grads = [p.grad for ref in self._models if (m := ref()) is not None
                  for p in m.parameters() if p.grad is not None]
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-        for g in grads:
-            by_kind.setdefault((g.device, g.dtype), []).append(g)
-        for group in by_kind.values():  # one all-reduce per device and dtype
-            flat = torch.cat([g.reshape(-1) for g in group])
-            self.manager.allreduce(flat).wait()  # averaged over the groups in the quorum
-            offset = 0
-            for g in group:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+        # one all-reduce per device and dtype, averaged over the groups in the quorum
+        reduce_in_buckets(grads, lambda flat: self.manager.allreduce(flat).wait())
 
     # ---- state() ---------------------------------------------------------------------------------
     @override

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from .._engines.buckets import reduce_in_buckets
 from .._group import blame as _blame
 from .._hooks.scope import Scope
 from .._job.job import Job
@@ -212,22 +213,16 @@ def _outside_scopes(fn: Callable[[list[torch.Tensor]], Any], params: list[torch.
 
 def _average(job: Job, tensors: list[torch.Tensor]) -> None:
     """Average ``tensors`` over the ranks in place: one float32 all-reduce per device."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_device.setdefault(t.device, []).append(t)
-    for device, group in by_device.items():
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for t in group])
-        flat = flat.to(job.comm_device(device))
+
+    def all_reduce(flat: torch.Tensor) -> None:
         try:
             dist.all_reduce(flat)
         except Exception as exc:
             _blame.reraise(job, exc, "local_sgd()'s parameter average")
             raise
         flat.div_(job.world_size)
-        offset = 0
-        for t in group:
-            t.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+
+    reduce_in_buckets(tensors, all_reduce, as_dtype=torch.float32, on=job.comm_device)
 
 
 def _refuse_parts(stack: _state.Stack | None) -> None:
