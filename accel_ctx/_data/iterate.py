@@ -101,7 +101,9 @@ class _IndexView:
 def scoped_iter(stack: _state.Stack, loader: DataLoader[Any], stock_iter: Any) -> Iterator[Any]:
     """The iterator a DataLoader hands out inside a scope."""
     record = _records.loader_record(loader)
-    stack.session.first_iteration(loader, record)  # may set the resume fields below
+    if stack.session.first_iteration(loader, record):  # may set the resume fields below
+        for met in stack.hooks.loader_met:  # a healing replica group's position wins
+            met(loader, record, stack.session)
     session = stack.session
     job = stack.job
     if job is not None and torch.is_grad_enabled():  # training goes on: judge an evaluation

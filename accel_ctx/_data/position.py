@@ -45,6 +45,9 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
                 "what": describe(loader)}
     plan = record.epoch_plan or _data.ShardPlan()
     total = _global_batches(loader)
+    if yields and plan.world > len(yields) and plan.world % len(yields) == 0:
+        # replica groups: the plan spans every group, and each stands where this one does
+        yields = yields * (plan.world // len(yields))
     tp = _state.coordinates().tp_size  # the ranks of a tensor-parallel group share batches
     consumed = plan.skip + sum(yields[::tp] if tp > 1 and len(yields) % tp == 0 else yields)
     end = plan.end(total) if total is not None else None  # drop_last: full rounds only

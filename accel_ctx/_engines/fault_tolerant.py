@@ -8,14 +8,20 @@ back, from a live peer's state), the gradients DDP averaged inside the group are
 the groups in the quorum (``Manager.allreduce``), and ``opt.step()`` runs only when
 ``Manager.should_commit()`` says every group's part of the step succeeded. A step whose
 collective failed (a group died in it) is not committed and not counted; the survivors go on.
+
+The quorum of a step is formed before its first batch is fetched (so a healing group's
+DataLoader continues at its peers' position), or at its first forward where no DataLoader
+drives the loop. The first quorum waits up to :data:`TIMEOUT` for every group, so that an
+undisturbed job trains every step with all of them.
 """
 
 from __future__ import annotations
 
-import weakref
+import sys
+import time
 from contextlib import ExitStack
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,7 +32,8 @@ from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import OptimizerRecord, Session
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RendezvousError
+from . import replica_check as _check
 from .buckets import reduce_in_buckets
 
 _NO_TORCHFT = (
@@ -34,8 +41,9 @@ _NO_TORCHFT = (
     "--replica-groups), which needs torchft: pip install 'accel-ctx[ft]' (torchft>=0.2), or "
     "launch without --replica-groups.")
 TIMEOUT = timedelta(seconds=30)
-"""How long a cross-group collective, a commit vote or a state transfer may take: a group that
-died mid-step costs the survivors at most this (gloo usually notices a dead peer at once)."""
+"""How long a cross-group collective, a commit vote, a state transfer or the first gathering of
+the groups may take: a group that died mid-step costs the survivors at most this (gloo usually
+notices a dead peer at once)."""
 
 
 def _torchft() -> Any:
@@ -46,33 +54,71 @@ def _torchft() -> Any:
     return torchft
 
 
+class Healing(Protocol):
+    """The objects a group met and the states a peer sent (``_checkpoint.heal.PeerState``)."""
+
+    source: int
+
+    def models(self) -> list[nn.Module]: ...
+    def met(self, kind: str, obj: Any) -> None: ...
+    def met_loader(self, loader: Any, record: Any) -> None: ...
+    def state(self, group: int) -> dict[str, Any]: ...
+    def load(self, sent: dict[str, Any]) -> None: ...
+
+
+class _RecordingClient:
+    """torchft's manager client, keeping the last quorum (which groups are in it)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self.last: Any = None
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        self.last = self._client._quorum(*args, **kwargs)
+        return self.last
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+
+def _group_of(replica_id: str) -> int:
+    digits = replica_id.split(":")[0].rsplit("_", 1)[-1]
+    return int(digits) if digits.isdigit() else -1
+
+
 class ReplicaGroupRuntime(Concern):
     """One replica group's side of the job: its Manager, and the hooks that step through it."""
 
     # after accumulate (10) and local_sgd (40): it sees only the steps that are taken
     slot, order = "replica_groups", 50
 
-    def __init__(self, job: Job, exits: ExitStack) -> None:
+    def __init__(self, job: Job, exits: ExitStack, healing: Healing) -> None:
         torchft = _torchft()
         launch = job.launch
         self.group, self.groups = launch.replica_group, launch.replica_groups
-        # what a healing peer receives, in the order this process met them (the same script
-        # meets them in the same order in every group)
-        self._models: list[weakref.ref[nn.Module]] = []
-        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
-        self._pending: list[dict[str, Any]] = []  # optimizer states received before they were met
+        self.address = str(launch.lighthouse)
+        self.healing = healing
+        self._speaks = job.rank == 0  # one line per event and group
         self._open = False  # a quorum was formed for the step under way
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
+        self._members: frozenset[int] = frozenset()
+        self._checked: frozenset[int] = frozenset()  # the members whose script and model match
+        self._failure: str | None = None  # why the last step was not committed
+        self._gathering = False  # the first quorum waits for every group
         self.participants = self.groups
         pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
 
         def make() -> Any:
-            return torchft.Manager(
-                pg=pg, load_state_dict=self._load, state_dict=self._state,
-                min_replica_size=1, use_async_quorum=False,  # heal before the forward
-                timeout=TIMEOUT, quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT,
-                rank=job.rank, world_size=job.world_size, lighthouse_addr=launch.lighthouse,
-                replica_id=f"accel_ctx_{self.group}")
+            try:
+                return torchft.Manager(
+                    pg=pg, load_state_dict=self.healing.load,
+                    state_dict=lambda: self.healing.state(self.group),
+                    min_replica_size=1, use_async_quorum=False,  # heal before the batch
+                    timeout=TIMEOUT, quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT,
+                    rank=job.rank, world_size=job.world_size, lighthouse_addr=self.address,
+                    replica_id=f"accel_ctx_{self.group}")
+            except Exception as exc:  # the lighthouse is not there
+                raise self._unreachable(exc) from exc
 
         if job.world_size > 1 and dist.is_initialized():
             # rank 0 publishes its manager's address in the group's store: the others read it
@@ -82,47 +128,107 @@ class ReplicaGroupRuntime(Concern):
             self.manager = manager if manager is not None else make()
         else:
             self.manager = make()
+        self._client = _RecordingClient(self.manager._client)
+        self.manager._client = self._client
         exits.callback(self.manager.shutdown, wait=False)
 
-    # ---- healing: what a peer sends, and loading it ----------------------------------------------
-    def _state(self) -> dict[str, Any]:
-        models = [m() for m in self._models]
-        optimizers = [o() for o in self._optimizers]
-        return {"models": [m.state_dict() for m in models if m is not None],
-                "optimizers": [o.state_dict() for o in optimizers if o is not None]}
+    def _unreachable(self, exc: BaseException) -> RendezvousError:
+        return RendezvousError(
+            f"replica group {self.group} cannot reach the lighthouse at {self.address} "
+            f"({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}): start "
+            "`accel-ctx lighthouse` there, or give the launcher the address it prints "
+            "(--lighthouse HOST:PORT).")
 
-    def _load(self, state: dict[str, Any]) -> None:
-        models = [m for m in (ref() for ref in self._models) if m is not None]
-        for model, saved in zip(models, state["models"], strict=False):
-            model.load_state_dict(saved)
-        optimizers = [o for o in (ref() for ref in self._optimizers) if o is not None]
-        saved_optimizers = list(state["optimizers"])
-        for optimizer, saved in zip(optimizers, saved_optimizers, strict=False):
-            optimizer.load_state_dict(saved)
-        self._pending = saved_optimizers[len(optimizers):]  # for optimizers met later
+    def _say(self, text: str) -> None:
+        if self._speaks:
+            print(f"accel-ctx: {text}", file=sys.stderr, flush=True)
 
-    # ---- the step ----------------------------------------------------------------------------------
+    # ---- the quorum --------------------------------------------------------------------------------
     def _quorum(self) -> None:
-        if not self._open:
-            self._open = True
-            self.manager.start_quorum()  # may heal this group from a peer (use_async_quorum off)
+        if self._open:
+            return
+        self._open = True
+        first = not self._members
+        began = time.monotonic()
+        before = int(self.manager.current_step())
+        self._start()  # may heal this group from a peer (use_async_quorum off)
+        if first:
+            self._gathering = True  # the groups arriving at the start: no line for each
+            while (len(self._members) < self.groups and self.manager.current_step() == 0
+                   and time.monotonic() - began < TIMEOUT.total_seconds()):
+                time.sleep(0.2)  # the others are still starting: a step with all of them
+                self._start()
+            self._gathering = False
+            missing = sorted(set(range(self.groups)) - self._members)
+            if missing and self.manager.current_step() == 0:
+                self._say(
+                    f"replica group{'s' * (len(missing) > 1)} {_listed(missing)} did not reach "
+                    f"the lighthouse at {self.address} within {TIMEOUT.seconds} s; "
+                    f"{_groups(len(self._members))} go on without them, and they join at the "
+                    "current step when they arrive.")
+        step = int(self.manager.current_step())
+        if step > before and self.healing.source >= 0:
+            self._say(f"replica group {self.group} healed from replica group "
+                      f"{self.healing.source} at step {step} in "
+                      f"{time.monotonic() - began:.1f} s (models, optimizers, schedulers, "
+                      "DataLoader positions, random states); it trains from there.")
+            self.healing.source = -1
+
+    def _start(self) -> None:
+        previous = self._members
+        try:
+            self.manager.start_quorum()
+        except Exception as exc:
+            raise self._unreachable(exc) from exc
+        quorum = self._client.last
+        self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
+            frozenset({self.group}))
+        self._checked &= self._members  # one that left and comes back is checked again
+        if not previous or self._gathering:
+            return
+        step = int(self.manager.current_step())
+        left, joined = sorted(previous - self._members), sorted(self._members - previous)
+        if self.group != min(self._members & previous, default=self.group):
+            left = joined = []  # the lowest group that stayed says it, once
+        if left:
+            why = self._failure or "it stopped answering the lighthouse"
+            self._say(f"replica group{'s' * (len(left) > 1)} {_listed(left)} left at step "
+                      f"{step} ({why}); {_groups(len(self._members))} go on.")
+        if joined:
+            self._say(f"replica group{'s' * (len(joined) > 1)} {_listed(joined)} joined at "
+                      f"step {step}; {_groups(len(self._members))} train.")
+        self._failure = None
+
+    # ---- meeting objects ---------------------------------------------------------------------------
+    @override
+    def loader_met(self, loader: Any, record: Any, session: Session) -> None:
+        self.healing.met_loader(loader, record)
+        if torch.is_grad_enabled() and not self._members:
+            self._quorum()  # the first step's quorum: a healing group's position applies
+
+    @override
+    def before_batch(self, session: Session) -> None:
+        if torch.is_grad_enabled() and self._members:  # a training batch: the step's quorum
+            self._quorum()
 
     @override
     def before_forward(self, call: ForwardCall, session: Session) -> None:
         if not call.grad:
             return
         module = call.module
-        if all(ref() is not module for ref in self._models) and any(
-                p.requires_grad for p in module.parameters()):
-            self._models.append(weakref.ref(module))
+        if any(p.requires_grad for p in module.parameters()):
+            self.healing.met("models", module)
         self._quorum()
 
     @override
     def first_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        self._optimizers.append(weakref.ref(optimizer))
-        if self._pending:
-            optimizer.load_state_dict(self._pending.pop(0))
+        self.healing.met("optimizers", optimizer)
 
+    @override
+    def before_schedule(self, scheduler: Any, session: Session) -> None:
+        self.healing.met("schedulers", scheduler)
+
+    # ---- the step ----------------------------------------------------------------------------------
     @override
     def allows_step(self, record: OptimizerRecord) -> bool:
         # once per step, however many optimizers take it: average over the groups, then vote
@@ -131,16 +237,41 @@ class ReplicaGroupRuntime(Concern):
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
         self._quorum()
+        if not self._members <= self._checked:
+            self._check_same()
         self._average()
+        step = int(self.manager.current_step())
         commit = bool(self.manager.should_commit())
         self.participants = int(self.manager.num_participants())
+        if not commit:
+            error = self.manager.errored()
+            self._failure = (f"its part of step {step} failed: "
+                             f"{str(error.original_exception).splitlines()[0][:160]}"
+                             if error is not None else None)
+            self._say(f"step {step} was not committed ({self._failure or 'a group failed'}): "
+                      "its update is dropped in every group, and the next batch goes on.")
         self._open = False
         self._decided = (mark, commit)
         return commit
 
+    def _check_same(self) -> None:
+        """One small all-reduce when the quorum changes: the groups run the same script and
+        models (else the gradient all-reduce would mix tensors of other shapes)."""
+        rows = _check.fingerprints(self.group, self.groups, self.healing.models(),
+                                   lambda t: self.manager.allreduce(t).wait(),
+                                   self.manager.num_participants())
+        if self.manager.errored() is not None:
+            return  # a group left meanwhile: this step fails, the next quorum checks again
+        wrong = _check.differing(rows, self._members)
+        if self.group in wrong:
+            raise ConfigurationError(_check.message(self.group, rows, self._members))
+        if wrong:
+            self._failure = _check.message(wrong[0], rows, self._members).split(":")[0]
+        self._checked = self._members - set(wrong)
+
     def _average(self) -> None:
-        grads = [p.grad for ref in self._models if (m := ref()) is not None
-                 for p in m.parameters() if p.grad is not None]
+        grads = [p.grad for m in self.healing.models() for p in m.parameters()
+                 if p.grad is not None]
         # one all-reduce per device and dtype, averaged over the groups in the quorum
         reduce_in_buckets(grads, lambda flat: self.manager.allreduce(flat).wait())
 
@@ -149,3 +280,11 @@ class ReplicaGroupRuntime(Concern):
     def snapshot(self) -> dict[str, Any]:
         return {"replica_group": self.group, "replica_groups": self.participants,
                 "step": int(self.manager.current_step())}
+
+
+def _listed(groups: list[int]) -> str:
+    return ", ".join(str(g) for g in groups)
+
+
+def _groups(count: int) -> str:
+    return f"{count} group{'s' * (count != 1)}"

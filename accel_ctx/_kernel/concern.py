@@ -116,7 +116,7 @@ class Concern:
         "before_backward", "backward_context", "backward_failed", "after_backward",
         "allows_step", "skips_step", "before_step", "after_step", "first_optimizer",
         "allows_zero_grad", "defers_clipping", "grads_for_clipping", "before_batch",
-        "before_schedule", "before_touch",
+        "before_schedule", "before_touch", "loader_met",
     )
 
     def overrides(self, hook: str) -> bool:
@@ -197,6 +197,10 @@ class Concern:
 
     def before_schedule(self, scheduler: Any, session: Session) -> None:
         """``scheduler.step()`` is called, before it decides whether to step."""
+
+    def loader_met(self, loader: Any, record: Any, session: Session) -> None:
+        """A DataLoader is iterated for the first time in the session, before its epoch is
+        planned (``record``'s resume fields still count: a replica group heals its position)."""
 
     # ---- gradient clipping -----------------------------------------------------------------------
     def defers_clipping(self) -> bool:
@@ -285,6 +289,7 @@ class Hooks:
     before_batch: tuple[Callable[[Session], None], ...]
     before_schedule: tuple[Callable[[Any, Session], None], ...]
     before_touch: tuple[Callable[[nn.Module, Session, FrameType], None], ...]
+    loader_met: tuple[Callable[[Any, Any, Session], None], ...]
 
     def __init__(self, concerns: tuple[Concern, ...]) -> None:
         for hook in Concern.HOOKS:

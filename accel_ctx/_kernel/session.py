@@ -106,13 +106,14 @@ class Session:
         for each in self.optimizers.values():
             each.unread = None
 
-    def first_iteration(self, loader: Any, record: Any) -> None:
-        """Note ``loader`` when it is iterated for the first time in this session."""
+    def first_iteration(self, loader: Any, record: Any) -> bool:
+        """Note ``loader`` when it is iterated for the first time in this session (True)."""
         if any(ref() is loader for ref in self.loader_order):
-            return
+            return False
         self.loader_order.append(weakref.ref(loader))
         for hook in list(self.loader_hooks):
             hook(loader, record)
+        return True
 
     def optimizer(self, optimizer: torch.optim.Optimizer) -> OptimizerRecord:
         record = self.optimizers.get(optimizer)

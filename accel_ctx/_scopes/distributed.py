@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from typing_extensions import Unpack, override
 
+from .._checkpoint import heal as _heal
 from .._data.eval_passes import last_verdict, verdict
 from .._data.replica_inputs import note_inputs, note_loss
 from .._engines import (
@@ -133,7 +134,8 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
     job = start_job(options, exits, on_job=_job_exits)
     _check_tensor(job, tensor, plan)
     runtime = DistributedRuntime(job, plan, tensor)
-    replicas = (_fault_tolerant.ReplicaGroupRuntime(job, exits),) if job.launch.lighthouse else ()
+    replicas = ((_fault_tolerant.ReplicaGroupRuntime(job, exits, _heal.PeerState()),)
+                if job.launch.lighthouse else ())
     default = precision_from_env(job.device, exits)
     more = (*replicas, default) if default is not None else replicas
     return (runtime, *more) if more else runtime

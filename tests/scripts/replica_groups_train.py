@@ -1,7 +1,9 @@
 """A plain distributed() loop, bounded by steps as a fault-tolerant loop is (a group that heals
-continues from its peers' step). Arguments: output folder, steps, groups, then the group whose
-first worker SIGKILLs itself after the step given last; it steps on until every group is back
-(or for at most 4 minutes)."""
+continues from its peers' step), with an LR scheduler, dropout and a shuffled DataLoader.
+Arguments: output folder, steps, groups, then the group whose first worker SIGKILLs itself after
+the step given last (-1: none); it steps on until every group is back (or for at most 4
+minutes). Each step records what must be equal in every group: the step, the groups in it, the
+lr, a draw from torch's generator and the loader's position, and the samples it trained on."""
 
 import os
 import signal
@@ -12,30 +14,35 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import distributed, state
+from accel_ctx import distributed, loader_state, state
 
 out, steps, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kill_group, kill_at = int(sys.argv[4]), int(sys.argv[5])
 deadline = time.monotonic() + 240  # a restart on a loaded machine takes long
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 torch.manual_seed(0)
-data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+data = TensorDataset(torch.arange(96), torch.randn(96, 8), torch.randn(96, 1))
 
 with distributed():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     loader = DataLoader(data, batch_size=4, shuffle=True)
-    seen: list[tuple[int, int]] = []
+    seen: list[dict] = []
     done = False
     while not done:
-        for x, y in loader:
+        for idx, x, y in loader:
             loss = F.mse_loss(model(x), y)
             loss.backward()
             opt.step()
+            sched.step()
             opt.zero_grad()
             s = state()
-            seen.append((s.step, s.replica_groups))
+            where = loader_state(loader)
+            seen.append({"step": s.step, "groups": s.replica_groups, "lr": sched.get_last_lr()[0],
+                         "draw": torch.rand(1).item(), "epoch": where["epoch"],
+                         "consumed": where["consumed"], "samples": idx.tolist()})
             if s.replica_group == kill_group and restart == 0 and s.step == kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             back = s.replica_groups == groups
@@ -44,4 +51,4 @@ with distributed():
             if done:
                 break
     torch.save({"seen": seen, "restart": restart, "weights": model.state_dict()},
-               os.path.join(out, f"group{state().replica_group}.pt"))
+               os.path.join(out, f"group{state().replica_group}-rank{state().rank}.pt"))

@@ -1,0 +1,111 @@
+"""What a replica group sends a peer that heals from it, and how the healing group takes it.
+
+A group that comes back (restarted, or started late) receives a live peer's models,
+optimizers, LR schedulers, DataLoader positions and random streams at its first quorum, which
+it reaches when its first DataLoader is iterated (before the epoch is planned) or at its first
+forward. Most of these objects are not met yet then (a model at its first forward, an
+optimizer at its first step, a scheduler at its first ``step()``): each state waits and is
+loaded when its object is met, matched by meeting order, as the same script meets them in
+the same order in every group. Nothing is read from disk: the state is the peer's at the step
+the group heals to, so its weights equal its peers' from its first step on.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from .._data import position as _position
+from .._data import records as _records
+from ..errors import ConfigurationError
+from . import rng as _rng
+
+_KINDS = ("models", "optimizers", "schedulers")
+
+
+class PeerState:
+    """The objects a replica group met, in order, and the states a peer sent for them."""
+
+    def __init__(self) -> None:
+        self._met: dict[str, list[weakref.ref[Any]]] = {kind: [] for kind in _KINDS}
+        self._pending: dict[str, list[Any]] = {kind: [] for kind in _KINDS}
+        self._loaders: list[weakref.ref[DataLoader[Any]]] = []
+        self._pending_loaders: list[dict[str, Any]] = []
+        self.source = -1  # the group the last state came from
+
+    # ---- meeting objects -------------------------------------------------------------------------
+    def models(self) -> list[nn.Module]:
+        """The trainable models met so far, in order."""
+        return [m for m in (ref() for ref in self._met["models"]) if m is not None]
+
+    def met(self, kind: str, obj: Any) -> None:
+        """``obj`` (a model, an optimizer, a scheduler) is met: a state waiting for it loads."""
+        refs = self._met[kind]
+        if any(ref() is obj for ref in refs):
+            return
+        refs.append(weakref.ref(obj))
+        if self._pending[kind]:
+            _load_one(kind, obj, self._pending[kind].pop(0), self.source)
+
+    def met_loader(self, loader: Any, record: Any) -> None:
+        """A DataLoader's first iteration: a position waiting for a loader like it applies."""
+        if not isinstance(loader, DataLoader):
+            return
+        self._loaders.append(weakref.ref(loader))
+        index = _position.pick([e["position"] for e in self._pending_loaders], loader)
+        if index is not None:
+            entry = self._pending_loaders.pop(index)
+            _position.apply_position(loader, record, entry["position"], entry["generator"])
+
+    # ---- a peer's side ---------------------------------------------------------------------------
+    def state(self, group: int) -> dict[str, Any]:
+        """What this group sends a healing peer (read while the main thread waits in the
+        quorum: no collective, the ranks of every group stand at the same batch)."""
+        sent: dict[str, Any] = {"group": group, "rng": _rng.capture()}
+        for kind in _KINDS:
+            objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
+            sent[kind] = [o.state_dict() for o in objs] + self._pending[kind]
+        loaders = []
+        for loader in (ref() for ref in self._loaders):
+            if loader is None:
+                continue
+            loaders.append({  # every rank of every group stands where this one does
+                "position": _position.position(loader, None, [_position.yielded(loader)]),
+                "generator": _position.generator_state(loader)})
+        sent["loaders"] = loaders + self._pending_loaders
+        return sent
+
+    # ---- the healing side ------------------------------------------------------------------------
+    def load(self, sent: dict[str, Any]) -> None:
+        """Take a peer's state: what is met loads now, the rest when it is met."""
+        self.source = int(sent["group"])
+        _rng.restore(sent["rng"])
+        for kind in _KINDS:
+            objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
+            states = list(sent[kind])
+            for obj, state in zip(objs, states, strict=False):
+                _load_one(kind, obj, state, self.source)
+            self._pending[kind] = states[len(objs):]
+        self._pending_loaders = list(sent["loaders"])
+        for loader in (ref() for ref in self._loaders):
+            record = _records.peek_loader_record(loader) if loader is not None else None
+            if loader is not None and record is not None:  # iterated already: its next epoch
+                index = _position.pick([e["position"] for e in self._pending_loaders], loader)
+                if index is not None:
+                    entry = self._pending_loaders.pop(index)
+                    _position.apply_position(loader, record, entry["position"],
+                                             entry["generator"])
+
+
+def _load_one(kind: str, obj: Any, state: Any, source: int) -> None:
+    try:
+        obj.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError) as exc:
+        raise ConfigurationError(
+            f"healing from replica group {source}: its {kind[:-1]} does not fit this group's "
+            f"{type(obj).__name__} ({str(exc).splitlines()[0][:200]}). Every replica group must "
+            "run the same script with the same model and optimizer.") from exc
+

@@ -1,0 +1,85 @@
+"""Do the replica groups in a quorum run the same script and the same models?
+
+Each group fills its own row of a small matrix (a marker, its script's content hash, its
+trainable models' parameter count, element count and a hash of their names and shapes); one
+all-reduce over the groups shows every group every row. The row most groups share (the lowest
+group's among equals) is the reference; a group whose row differs is named and stops with the
+cause, before any gradient of another shape is averaged with its peers'.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_CHUNK = 1 << 20  # float64 sums of a few such integers stay exact
+_FIELDS = ("marker", "script", "script", "script", "tensors", "elements", "layout", "layout",
+           "layout")
+
+
+def _chunks(digest: bytes) -> list[int]:
+    value = int.from_bytes(digest[:8], "big")
+    return [(value >> (20 * i)) % _CHUNK for i in range(3)]
+
+
+def _script_digest() -> bytes:
+    path = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    try:
+        data = path.read_bytes() if path is not None and path.is_file() else b""
+    except OSError:
+        data = b""
+    return hashlib.sha256(data).digest()
+
+
+def own_row(models: list[nn.Module]) -> list[int]:
+    """This group's fingerprint: script, and its trainable models' layout."""
+    params = [(name, tuple(p.shape)) for m in models for name, p in m.named_parameters()
+              if p.requires_grad]
+    layout = hashlib.sha256(repr(params).encode()).digest()
+    elements = sum(int(torch.Size(shape).numel()) for _, shape in params)
+    return [1, *_chunks(_script_digest()), len(params), elements % (1 << 40), *_chunks(layout)]
+
+
+def fingerprints(group: int, groups: int, models: list[nn.Module],
+                 allreduce: Callable[[torch.Tensor], object], participants: int
+                 ) -> dict[int, tuple[int, ...]]:
+    """Every participating group's row, by group index (one all-reduce)."""
+    table = torch.zeros(groups, len(_FIELDS), dtype=torch.float64)
+    table[group] = torch.tensor(own_row(models), dtype=torch.float64)
+    allreduce(table)  # averaged over the participants: scaled back below
+    rows = (table * participants).round().to(torch.int64).tolist()
+    return {g: tuple(row) for g, row in enumerate(rows) if row[0] == 1}
+
+
+def differing(rows: dict[int, tuple[int, ...]], members: frozenset[int]) -> list[int]:
+    """The groups whose row is not the reference's."""
+    reference = _reference(rows, members)
+    return sorted(g for g in members if g in rows and rows[g] != reference)
+
+
+def _reference(rows: dict[int, tuple[int, ...]], members: frozenset[int]) -> tuple[int, ...]:
+    counts = Counter(rows[g] for g in sorted(members) if g in rows)
+    best = max(counts.values())
+    return next(rows[g] for g in sorted(members) if g in rows and counts[rows[g]] == best)
+
+
+def message(group: int, rows: dict[int, tuple[int, ...]], members: frozenset[int]) -> str:
+    """Why ``group`` cannot train with the others, and the fix."""
+    reference = _reference(rows, members)
+    like = min(g for g in members if rows.get(g) == reference)
+    mine = rows[group]
+    what = []
+    if mine[1:4] != reference[1:4]:
+        what.append("another script (its file's contents differ)")
+    if mine[4:] != reference[4:]:
+        what.append(f"other trainable parameters ({mine[4]} tensors, {mine[5]} elements, "
+                    f"against {reference[4]} and {reference[5]})")
+    return (f"replica group {group} runs {' and '.join(what) or 'something else'} than replica "
+            f"group {like}: its gradients cannot be averaged with theirs. Start every replica "
+            "group with the same script, arguments and model.")
