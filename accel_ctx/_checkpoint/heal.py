@@ -15,6 +15,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -67,7 +68,9 @@ class PeerState:
         sent: dict[str, Any] = {"group": group, "rng": _rng.capture()}
         for kind in _KINDS:
             objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
-            sent[kind] = [o.state_dict() for o in objs] + self._pending[kind]
+            # sharded(): each rank sends its own shards (the same rank of the healing group
+            # receives them), as plain tensors
+            sent[kind] = [_locals(o.state_dict()) for o in objs] + self._pending[kind]
         loaders = []
         for loader in (ref() for ref in self._loaders):
             if loader is None:
@@ -100,9 +103,59 @@ class PeerState:
                                              entry["generator"])
 
 
+def _locals(state: Any) -> Any:
+    """``state`` with every DTensor replaced by its local shard."""
+    if isinstance(state, dict):
+        return {k: _locals(v) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_locals(v) for v in state)
+    to_local = getattr(state, "to_local", None)
+    return to_local().detach() if to_local is not None else state
+
+
+def _load_model(model: nn.Module, state: dict[str, Any]) -> None:
+    """Copy a peer's tensors into the model's own (a sharded one's local shards), in place."""
+    own = model.state_dict()
+    if own.keys() != state.keys():
+        missing, extra = sorted(own.keys() - state.keys()), sorted(state.keys() - own.keys())
+        raise RuntimeError(f"missing {missing[:3]}, unexpected {extra[:3]}")
+    with torch.no_grad():
+        for name, target in own.items():
+            local = target.to_local() if hasattr(target, "to_local") else target
+            if tuple(local.shape) != tuple(state[name].shape):
+                raise RuntimeError(f"{name}: {tuple(state[name].shape)} for "
+                                   f"{tuple(local.shape)}")
+            local.copy_(state[name])
+
+
+def _load_optimizer(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """A peer's optimizer state, its shards made DTensors like this rank's parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_param = dict(state["state"])
+    for index, values in per_param.items():
+        param = params[int(index)] if int(index) < len(params) else None
+        mesh = getattr(param, "device_mesh", None)
+        if param is None or mesh is None:
+            continue
+        from torch.distributed.tensor import DTensor  # only a sharded model gets here
+
+        local_shape = param.to_local().shape
+        per_param[index] = {
+            k: DTensor.from_local(v, mesh, param.placements,
+                                  run_check=False, shape=param.shape, stride=param.stride())
+            if isinstance(v, torch.Tensor) and v.shape == local_shape and v.dim() > 0 else v
+            for k, v in values.items()}
+    optimizer.load_state_dict({**state, "state": per_param})
+
+
 def _load_one(kind: str, obj: Any, state: Any, source: int) -> None:
     try:
-        obj.load_state_dict(state)
+        if kind == "models":
+            _load_model(obj, state)
+        elif kind == "optimizers":
+            _load_optimizer(obj, state)
+        else:
+            obj.load_state_dict(state)
     except (RuntimeError, KeyError, ValueError) as exc:
         raise ConfigurationError(
             f"healing from replica group {source}: its {kind[:-1]} does not fit this group's "

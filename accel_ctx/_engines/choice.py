@@ -118,13 +118,13 @@ def choose(plan: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
            replica_groups: bool = False) -> EngineChoice:
     """The engine for a scope entry's models: the one place that looks at the kinds."""
     if replica_groups:
-        if plan is not None or tensor is not None:
+        if tensor is not None:
             raise ConfigurationError(
                 "replica groups (accel-ctx launch --replica-groups) run distributed() (DDP "
-                "inside each group) for now; sharded() and tensor parallelism across replica "
-                "groups (torchft's HSDP) are not supported yet. Use distributed(), or launch "
-                "without --replica-groups.")
-        return ReplicaGroups()
+                "inside each group) and sharded() (FSDP2 inside each group, torchft's HSDP "
+                "across them); tensor parallelism across replica groups is not supported yet. "
+                "Drop tp=, or launch without --replica-groups.")
+        return ReplicaGroups() if plan is None else Sharded(plan)
     if tensor is not None:
         return TensorParallel(tensor, plan)
     if plan is not None:

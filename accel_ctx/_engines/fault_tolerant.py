@@ -270,8 +270,11 @@ class ReplicaGroupRuntime(Concern):
         self._checked = self._members - set(wrong)
 
     def _average(self) -> None:
-        grads = [p.grad for m in self.healing.models() for p in m.parameters()
-                 if p.grad is not None]
+        # sharded(): each rank's shard of a gradient, with the same rank of every other group
+        # (torchft's HSDP: FSDP2 reduce-scattered inside the group already)
+        with torch.no_grad():
+            grads = [_local(p.grad) for m in self.healing.models() for p in m.parameters()
+                     if p.grad is not None]
         # one all-reduce per device and dtype, averaged over the groups in the quorum
         reduce_in_buckets(grads, lambda flat: self.manager.allreduce(flat).wait())
 
@@ -280,6 +283,12 @@ class ReplicaGroupRuntime(Concern):
     def snapshot(self) -> dict[str, Any]:
         return {"replica_group": self.group, "replica_groups": self.participants,
                 "step": int(self.manager.current_step())}
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself under no_grad), else the tensor."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
 
 
 def _listed(groups: list[int]) -> str:

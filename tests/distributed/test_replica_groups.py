@@ -27,15 +27,19 @@ def _last_per_step(seen: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     return {record["step"]: record for record in seen}
 
 
+@pytest.mark.parametrize(("per_group", "scope"), [(1, "distributed"), (2, "sharded")])
 def test_a_killed_group_restarts_heals_everything_from_a_peer_and_the_others_never_stop(
-        tmp_path: Path) -> None:
+        tmp_path: Path, per_group: int, scope: str) -> None:
     script = str(_launcher.SCRIPTS / "replica_groups_train.py")
     proc, log = _launcher.start(
-        ["-n", "1", "--replica-groups", "3", "--max-restarts", "3", script, str(tmp_path),
-         "12", "3", "1", "5"], tmp_path, "launch.log")
-    code = _launcher.finish(proc, 400)
+        ["-n", str(per_group), "--replica-groups", "3", "--max-restarts", "3", script,
+         str(tmp_path), "12", "3", "1", "5", scope], tmp_path, "launch.log")
+    code = _launcher.finish(proc, 500)
     text = log.read_text(errors="replace")
     assert code == 0, text[-3000:]
+    for rank in range(1, per_group):  # every rank of every group finished
+        for group in range(3):
+            assert (tmp_path / f"group{group}-rank{rank}.pt").exists()
     runs = [torch.load(tmp_path / f"group{g}-rank0.pt") for g in range(3)]
     healed = runs[1]
     assert [r["restart"] for r in runs] == [0, 1, 0], text[-3000:]  # only group 1 restarted

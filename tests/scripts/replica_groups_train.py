@@ -1,7 +1,7 @@
 """A plain distributed() loop, bounded by steps as a fault-tolerant loop is (a group that heals
 continues from its peers' step), with an LR scheduler, dropout and a shuffled DataLoader.
 Arguments: output folder, steps, groups, then the group whose first worker SIGKILLs itself after
-the step given last (-1: none); it steps on until every group is back (or for at most 4
+the step given last (-1: none), and "sharded" to train under sharded(); it steps on until every group is back (or for at most 4
 minutes). Each step records what must be equal in every group: the step, the groups in it, the
 lr, a draw from torch's generator and the loader's position, and the samples it trained on."""
 
@@ -14,16 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import distributed, loader_state, state
+from accel_ctx import distributed, loader_state, sharded, state
 
 out, steps, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kill_group, kill_at = int(sys.argv[4]), int(sys.argv[5])
+scope = sharded() if sys.argv[6:] == ["sharded"] else distributed()
 deadline = time.monotonic() + 240  # a restart on a loaded machine takes long
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 torch.manual_seed(0)
 data = TensorDataset(torch.arange(96), torch.randn(96, 8), torch.randn(96, 1))
 
-with distributed():
+with scope:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -43,12 +44,14 @@ with distributed():
             seen.append({"step": s.step, "groups": s.replica_groups, "lr": sched.get_last_lr()[0],
                          "draw": torch.rand(1).item(), "epoch": where["epoch"],
                          "consumed": where["consumed"], "samples": idx.tolist()})
-            if s.replica_group == kill_group and restart == 0 and s.step == kill_at:
+            if (s.replica_group, s.rank, restart, s.step) == (kill_group, 0, 0, kill_at):
                 os.kill(os.getpid(), signal.SIGKILL)
             back = s.replica_groups == groups
             time.sleep(0.05 if back else 0.3)  # alone: step slowly until the group is back
             done = s.step >= steps and (back or time.monotonic() > deadline)
             if done:
                 break
-    torch.save({"seen": seen, "restart": restart, "weights": model.state_dict()},
+    weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # sharded(): gathered
+               for k, v in model.state_dict().items()}
+    torch.save({"seen": seen, "restart": restart, "weights": weights},
                os.path.join(out, f"group{state().replica_group}-rank{state().rank}.pt"))
