@@ -1,4 +1,4 @@
-"""The ``accel-ctx`` command: ``launch``, ``config`` and ``env``.
+"""The ``accel-ctx`` command: ``launch``, ``lighthouse``, ``config`` and ``env``.
 
 ``launch`` runs a script on N processes per node through torchrun's engine
 (``torch.distributed.run``, in this process); every torchrun flag placed before the script is
@@ -28,9 +28,10 @@ from typing_extensions import override
 from .errors import AccelCtxError
 
 USAGE = """\
-usage: accel-ctx {launch,config,env} ...
+usage: accel-ctx {launch,lighthouse,config,env} ...
 
   accel-ctx launch [-n N] [options] script.py [args...]   run a script on N processes per node
+  accel-ctx lighthouse [--port P] [--min-replicas N]       where replica groups on many nodes meet
   accel-ctx config [--show] [settings]                     write launcher defaults (TOML)
   accel-ctx env                                            versions, devices, config in force
   accel-ctx --version                                      print the version (also -V)
@@ -83,7 +84,7 @@ def launch_main(argv: Sequence[str]) -> int:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
     if _replica_groups.wanted(plan.settings, os.environ):  # a lighthouse, a launcher per group
         return _replica_groups.run(argv, int(plan.settings["replica_groups"]), os.environ, fail)
-    held = master_held(plan.settings.get("master"))
+    held = master_held(plan.settings.get("master")) or _replica_groups.unreachable(plan.settings)
     if held:
         print(f"accel-ctx launch: {held}", file=sys.stderr)
         return 1
@@ -118,10 +119,9 @@ def torchrun_options(args: Sequence[str], script_args: int) -> argparse.Namespac
 def master_held(master: Any, seconds: float = 10.0) -> str:
     """Why ``--master HOST:PORT`` cannot be the rendezvous, or ''.
 
-    Something that accepts connections there but does not answer as a rendezvous store (a port
-    held by another program) would keep torchrun's store client waiting, silently, for about
-    ten minutes; it is found here within ``seconds``. Nothing listening is fine: node 0 serves
-    the store there, or has not started yet (torchrun waits for it and says so).
+    Something that accepts connections there but does not answer as a rendezvous store (another
+    program's port) would keep torchrun's store client waiting, silently, for ten minutes; it
+    is found here within ``seconds``. Nothing listening is fine: node 0 has not started yet.
     """
     from ._group.probe import OTHER, what_answers
     from ._launch.settings import split_host_port
@@ -327,10 +327,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return launch_main(rest)
         except KeyboardInterrupt:  # Ctrl-C while torch was still loading
             return interrupted(signal.SIGINT)
-    if command == "config":
+    if command in ("lighthouse", "config"):  # the launcher wing's other commands (no torch)
         from ._launch.config_cmd import config_main
+        from ._launch.lighthouse import lighthouse_main
 
-        return config_main(rest)
+        return (lighthouse_main if command == "lighthouse" else config_main)(rest)
     if command == "env":
         from . import __version__
         from ._launch.envinfo import env_main

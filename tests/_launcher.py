@@ -53,10 +53,11 @@ def alive(pid: int) -> bool:
 
 
 def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
-          prefix: tuple[str, ...] = (), drop: tuple[str, ...] = ()
+          prefix: tuple[str, ...] = (), drop: tuple[str, ...] = (), command: str = "launch"
           ) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
-    ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit."""
+    ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit;
+    ``command`` another command of accel-ctx (``lighthouse``)."""
     (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
     env = {**os.environ, **_timeouts.child_env(), "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
@@ -64,7 +65,7 @@ def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
         env.pop(var, None)
     path = tmp_path / log
     with path.open("wb") as out:
-        proc = subprocess.Popen([*prefix, ACCEL_CTX, "launch", *args], cwd=cwd or tmp_path,
+        proc = subprocess.Popen([*prefix, ACCEL_CTX, command, *args], cwd=cwd or tmp_path,
                                 env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     STARTED.append(proc)

@@ -15,6 +15,7 @@ from .._job import env as _env
 from ..errors import ConfigurationError
 from . import config as _config
 from . import netif as _netif
+from . import replica_groups as _replica_groups
 from .nproc import check_process_count, check_torchrun_nproc, local_gpus
 from .settings import CONFIG_FLAG, SETTINGS, Value, check, setting, split_host_port
 
@@ -193,6 +194,7 @@ def plan(
         args += ["--max-restarts", str(settings["max_restarts"])]
     if "mixed_precision" in settings:
         env[_env.MIXED_PRECISION_VAR] = str(settings["mixed_precision"])
+    env.update(_replica_groups.group_env(settings))  # --lighthouse: one replica group's launcher
     for _, tokens in parsed.passthrough:
         args += tokens
     return LaunchPlan([*args, *parsed.script], env, settings, sources, network,

@@ -90,6 +90,10 @@ def _interview(current: dict[str, Value], ask: Callable[[str], str]) -> dict[str
     values: dict[str, Value] = {}
     try:
         for s in SETTINGS:
+            if not s.asked:  # one launcher's own (its replica group): kept as it was
+                if s.key in current:
+                    values[s.key] = current[s.key]
+                continue
             if s.several_nodes_only and str(values.get("nnodes", 1)) == "1":
                 continue  # one machine: nothing to meet at
             values[s.key] = _ask_one(s, current.get(s.key, s.default), ask, values)

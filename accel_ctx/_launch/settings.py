@@ -71,6 +71,8 @@ class Setting:
     """The usage line's value (default: ``metavar``), e.g. ``N|auto``."""
     several_nodes_only: bool = False
     """``accel-ctx config`` asks for it only when the job has several machines."""
+    asked: bool = True
+    """``accel-ctx config`` asks for it (False: a flag sets it, the file keeps it)."""
 
     @property
     def flag(self) -> str:
@@ -113,6 +115,13 @@ def _count(value: object) -> Value | None:
 
 def _address(value: object) -> Value | None:
     return value if isinstance(value, str) and split_host_port(value) is not None else None
+
+
+def _lighthouse(value: object) -> Value | None:
+    if not isinstance(value, str):
+        return None
+    bare = value.strip().removeprefix("http://")  # torchft's own form is accepted as it is
+    return bare if split_host_port(bare) is not None else None
 
 
 def _policy(value: object) -> Value | None:
@@ -184,10 +193,30 @@ SETTINGS: tuple[Setting, ...] = (
         meaning="fault-tolerant replica groups of -n processes each (1: none)",
         help="start R replica groups of -n processes each, and a torchft lighthouse: when a "
         "group fails the others go on at the same step, and the group (restarted with "
-        "--max-restarts) heals from a live peer. Needs accel-ctx[ft].",
+        "--max-restarts) heals from a live peer. With --lighthouse: the job's group count, "
+        "this launcher starting one of them. Needs accel-ctx[ft].",
         question="Fault-tolerant replica groups (1: none)",
         convert=lambda v: n if (n := _whole(v)) is not None and n >= 1 else None,
         fix="give a whole number, 1 or more", default=1, example="2",
+    ),
+    Setting(
+        "lighthouse", ("--lighthouse",), "HOST:PORT",
+        meaning="HOST:PORT of the `accel-ctx lighthouse` the replica groups meet at",
+        help="this launcher is one replica group's (--replica-group) of a job whose groups "
+        "meet at the lighthouse that `accel-ctx lighthouse` runs at HOST:PORT (http:// "
+        "optional), on any machine; it starts no lighthouse of its own and waits up to 30 s "
+        "for that one to answer. Needs accel-ctx[ft].",
+        question="Address of the replica groups' lighthouse: HOST:PORT",
+        convert=_lighthouse, fix="give HOST:PORT, e.g. node0:29510 or http://node0:29510",
+        example="node0:29510", asked=False,
+    ),
+    Setting(
+        "replica_group", ("--replica-group",), "I",
+        meaning="this launcher's replica group, 0 to R-1 (with --lighthouse)",
+        help="with --lighthouse: the index of the replica group this launcher starts (0 to "
+        "R-1 for --replica-groups R); each group's launcher has its own --max-restarts.",
+        question="This launcher's replica group (0 to R-1)",
+        convert=_count, fix="give a whole number, 0 or more", example="0", asked=False,
     ),
 )
 """Every setting, in the order of questions, help and files."""

@@ -1,0 +1,124 @@
+"""Replica groups on several machines, the launcher's side without workers: `accel-ctx launch
+--lighthouse HOST:PORT --replica-group I` and `accel-ctx lighthouse` (its arguments, its errors)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+
+import pytest
+
+from accel_ctx._launch import config as _config
+from accel_ctx._launch import replica_groups
+from accel_ctx._launch.args import plan
+from accel_ctx._launch.config_cmd import config_main
+from accel_ctx.cli import main, torchrun_arity
+from accel_ctx.errors import ConfigurationError
+
+ARITY = torchrun_arity()
+NO_FILES = {"XDG_CONFIG_HOME": "/nonexistent"}
+
+
+def make(argv, environ=None, cwd=None):
+    return plan(argv, ARITY, NO_FILES if environ is None else environ, cwd=cwd, gpus=lambda: 0)
+
+
+def test_a_group_launcher_tells_its_workers_the_lighthouse_its_group_and_the_count():
+    p = make(["-n", "2", "--lighthouse", "node0:29510", "--replica-group", "1",
+              "--replica-groups", "3", "t.py"])
+    assert p.env["TORCHFT_LIGHTHOUSE"] == "http://node0:29510"
+    assert (p.env["REPLICA_GROUP_ID"], p.env["NUM_REPLICA_GROUPS"]) == ("1", "3")
+    assert not replica_groups.wanted(p.settings, {})  # no lighthouse and groups of its own
+    assert replica_groups.wanted(make(["--replica-groups", "3", "t.py"]).settings, {})
+    # torchft's own spelling, IPv6, and one group alone (group 0 of 1) are fine
+    p = make(["--lighthouse", "http://[fe80::1]:29510", "t.py"])
+    assert p.env["TORCHFT_LIGHTHOUSE"] == "http://[fe80::1]:29510"
+    assert (p.env["REPLICA_GROUP_ID"], p.env["NUM_REPLICA_GROUPS"]) == ("0", "1")
+    for plain in (["t.py"], ["--replica-groups", "2", "t.py"]):  # one machine: run() sets them
+        assert "TORCHFT_LIGHTHOUSE" not in make(plain).env
+
+
+def test_the_lighthouse_may_come_from_the_config_file_the_group_from_the_flag(tmp_path):
+    _config.write(tmp_path / "job.toml", {"lighthouse": "node0:29510", "replica_groups": 4})
+    p = make(["--config", str(tmp_path / "job.toml"), "--replica-group", "3", "t.py"])
+    assert p.env["TORCHFT_LIGHTHOUSE"] == "http://node0:29510"
+    assert (p.env["REPLICA_GROUP_ID"], p.env["NUM_REPLICA_GROUPS"]) == ("3", "4")
+    assert p.sources["lighthouse"].endswith("job.toml")
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--replica-group", "1"], "--replica-group 1 needs --lighthouse HOST:PORT"),
+    (["--lighthouse", "h:1", "--replica-group", "2", "--replica-groups", "2"],
+     "--replica-group 2 with --replica-groups 2: the groups are numbered 0 to 1"),
+    (["--lighthouse", "h:1", "--replica-groups", "2"],
+     "--lighthouse with --replica-groups 2: say which group this launcher starts"),
+    (["--lighthouse", "h", "--replica-group", "0"], "--lighthouse: 'h' is not valid"),
+    (["--lighthouse", "h:1", "--replica-group", "-1"], "--replica-group: '-1' is not valid"),
+])
+def test_a_group_that_cannot_be_is_refused_in_one_line(argv, words, capsys, monkeypatch):
+    with pytest.raises(ConfigurationError, match=words.replace("(", r"\(")):
+        make([*argv, "t.py"])
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    assert main(["launch", *argv, __file__]) == 2  # before anything starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("accel-ctx launch: ") and words in err
+
+
+def test_config_asks_no_group_question_and_keeps_the_lighthouse(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    target = tmp_path / "c.toml"
+    assert config_main(["--config", str(target), "--lighthouse", "http://n0:29510"]) == 0
+    asked = []
+
+    def ask(prompt):
+        asked.append(prompt)
+        return ""  # every default
+
+    assert config_main(["--config", str(target)], ask=ask) == 0
+    assert not any("lighthouse" in q or "replica group (" in q for q in asked), asked
+    assert _config.read_file(target)["lighthouse"] == "n0:29510"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_unreachable_lighthouse_is_named_with_the_fix_and_a_late_one_is_waited_for():
+    port = _closed_port()
+    start = time.monotonic()
+    why = replica_groups.unreachable({"lighthouse": f"127.0.0.1:{port}"}, seconds=1)
+    assert time.monotonic() - start < 20
+    assert f"lighthouse at http://127.0.0.1:{port} within 1 s" in why
+    assert "accel-ctx lighthouse" in why and "--lighthouse" in why
+    assert replica_groups.unreachable({}) == ""  # no --lighthouse: nothing to reach
+    late = socket.socket()
+    late.bind(("127.0.0.1", 0))
+    timer = threading.Timer(2.0, late.listen)  # it starts listening after the group launcher
+    timer.start()
+    try:
+        assert replica_groups.unreachable(
+            {"lighthouse": f"127.0.0.1:{late.getsockname()[1]}"}, seconds=60) == ""
+    finally:
+        timer.join()
+        late.close()
+
+
+def test_lighthouse_refuses_a_taken_port_bad_numbers_and_a_missing_torchft(capsys, monkeypatch):
+    pytest.importorskip("torchft")
+    monkeypatch.setenv("RUST_LOG", "warn")  # what the command sets for the Rust server
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::", 0))
+        held.listen()
+        assert main(["lighthouse", "--port", str(held.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert "cannot listen on [::]:" in err and "give another --port" in err
+    assert main(["lighthouse", "--min-replicas", "0"]) == 2
+    assert "--min-replicas 1 or more" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "torchft.coordination", None)  # as if not installed
+    assert main(["lighthouse", "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("accel-ctx lighthouse: ") and "pip install 'accel-ctx[ft]'" in err
