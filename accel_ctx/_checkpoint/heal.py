@@ -21,8 +21,10 @@ from torch.utils.data import DataLoader
 
 from .._data import position as _position
 from .._data import records as _records
+from .._kernel import state as _state
 from ..errors import ConfigurationError
 from . import rng as _rng
+from .resume_run import ResumeRuntime
 
 _KINDS = ("models", "optimizers", "schedulers")
 
@@ -38,6 +40,12 @@ class PeerState:
         self.source = -1  # the group the last state came from
 
     # ---- meeting objects -------------------------------------------------------------------------
+    def folder(self) -> str | None:
+        """The resumable() folder of this process's scope, resolved (every group must share it)."""
+        stack = _state.current()
+        resume = stack.find(ResumeRuntime) if stack is not None else None
+        return str(resume.folder.resolve()) if resume is not None else None
+
     def models(self) -> list[nn.Module]:
         """The trainable models met so far, in order."""
         return [m for m in (ref() for ref in self._met["models"]) if m is not None]
@@ -85,6 +93,10 @@ class PeerState:
     def load(self, sent: dict[str, Any]) -> None:
         """Take a peer's state: what is met loads now, the rest when it is met."""
         self.source = int(sent["group"])
+        stack = _state.current()
+        resume = stack.find(ResumeRuntime) if stack is not None else None
+        if resume is not None:  # the peer's state is newer than any checkpoint on disk
+            resume.superseded()
         _rng.restore(sent["rng"])
         for kind in _KINDS:
             objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]

@@ -16,9 +16,8 @@ script never undoes a resume.
 **Saves at a step boundary.** After an optimizer step, the next batch fetched (or the next
 forward, for a loop without a DataLoader) is a boundary: never inside an accumulation group,
 never between ``opt.step()`` and ``sched.step()``, before the next batch is drawn (so the saved
-loader position and RNG states are exactly that step's). At each boundary the ranks agree, in
-one small all-reduce on a gloo group of their own, whether a save is due (``every_steps``,
-``every_minutes``) or a preemption signal arrived on any rank.
+loader position and RNG states are exactly that step's). The ranks agree there (one small all-reduce)
+whether a save is due or a preemption signal arrived; in replica groups one group writes.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from .._engines.fault_tolerant import ReplicaGroupRuntime
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import Session
@@ -341,4 +341,10 @@ class ResumeRuntime(Concern):
 
     def save(self, why: str = "", wait: bool = False) -> Path | None:
         """Save every object met or tracked, in the background (``wait``: until published)."""
+        if (r := self.stack and self.stack.find(ReplicaGroupRuntime)) and not r.writes_checkpoints():
+            return None  # one healthy replica group writes the job's checkpoints
         return self.saver.save(self.objects(), self.session.step, why, wait, self.group)
+
+    def superseded(self) -> None:
+        """A live replica group's state replaced the checkpoint's: restore nothing more."""
+        self.checkpoint, self.process_restored, self.early_rng, self.unrestored = None, True, None, []

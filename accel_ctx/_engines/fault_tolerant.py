@@ -59,6 +59,7 @@ class Healing(Protocol):
 
     source: int
 
+    def folder(self) -> str | None: ...
     def models(self) -> list[nn.Module]: ...
     def met(self, kind: str, obj: Any) -> None: ...
     def met_loader(self, loader: Any, record: Any) -> None: ...
@@ -105,7 +106,7 @@ class ReplicaGroupRuntime(Concern):
         self._checked: frozenset[int] = frozenset()  # the members whose script and model match
         self._failure: str | None = None  # why the last step was not committed
         self._gathering = False  # the first quorum waits for every group
-        self.participants = self.groups
+        self.participants = 1  # this group alone until a quorum says otherwise
         pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
 
         def make() -> Any:
@@ -150,6 +151,11 @@ class ReplicaGroupRuntime(Concern):
         self._open = True
         first = not self._members
         began = time.monotonic()
+        stack = _state.current()
+        if first and stack is not None and stack.session.step > self.manager.current_step():
+            # resumable() restored the job from its folder: every group goes on from that step
+            step = stack.session.step
+            self.manager.load_state_dict({"step": step, "batches_committed": step * self.groups})
         before = int(self.manager.current_step())
         self._start()  # may heal this group from a peer (use_async_quorum off)
         if first:
@@ -164,10 +170,13 @@ class ReplicaGroupRuntime(Concern):
                 self._say(
                     f"replica group{'s' * (len(missing) > 1)} {_listed(missing)} did not reach "
                     f"the lighthouse at {self.address} within {TIMEOUT.seconds} s; "
-                    f"{_groups(len(self._members))} go on without them, and they join at the "
-                    "current step when they arrive.")
+                    f"{_groups(len(self._members), 'goes', 'go')} on without them, and they join "
+                    "at the current step when they arrive.")
         step = int(self.manager.current_step())
+        stack = _state.current()
         if step > before and self.healing.source >= 0:
+            if stack is not None:
+                stack.session.step = step  # run.step and resumable()'s counts go on from there
             self._say(f"replica group {self.group} healed from replica group "
                       f"{self.healing.source} at step {step} in "
                       f"{time.monotonic() - began:.1f} s (models, optimizers, schedulers, "
@@ -193,11 +202,17 @@ class ReplicaGroupRuntime(Concern):
         if left:
             why = self._failure or "it stopped answering the lighthouse"
             self._say(f"replica group{'s' * (len(left) > 1)} {_listed(left)} left at step "
-                      f"{step} ({why}); {_groups(len(self._members))} go on.")
+                      f"{step} ({why}); {_groups(len(self._members), 'goes', 'go')} on.")
         if joined:
             self._say(f"replica group{'s' * (len(joined) > 1)} {_listed(joined)} joined at "
-                      f"step {step}; {_groups(len(self._members))} train.")
+                      f"step {step}; {_groups(len(self._members), 'trains', 'train')}.")
         self._failure = None
+
+    def writes_checkpoints(self) -> bool:
+        """Whether this group writes resumable()'s checkpoints: the lowest group in the quorum
+        (one healthy group writes the job's folder; a job that lost every group resumes from
+        it)."""
+        return not self._members or self.group == min(self._members)
 
     # ---- meeting objects ---------------------------------------------------------------------------
     @override
@@ -245,9 +260,9 @@ class ReplicaGroupRuntime(Concern):
         self.participants = int(self.manager.num_participants())
         if not commit:
             error = self.manager.errored()
-            self._failure = (f"its part of step {step} failed: "
-                             f"{str(error.original_exception).splitlines()[0][:160]}"
-                             if error is not None else None)
+            if self._failure is None and error is not None:  # a mismatch found first stays
+                first = str(error.original_exception).splitlines()[0][:160]
+                self._failure = f"its part of step {step} failed: {first}"
             self._say(f"step {step} was not committed ({self._failure or 'a group failed'}): "
                       "its update is dropped in every group, and the next batch goes on.")
         self._open = False
@@ -258,6 +273,7 @@ class ReplicaGroupRuntime(Concern):
         """One small all-reduce when the quorum changes: the groups run the same script and
         models (else the gradient all-reduce would mix tensors of other shapes)."""
         rows = _check.fingerprints(self.group, self.groups, self.healing.models(),
+                                   self.healing.folder(),
                                    lambda t: self.manager.allreduce(t).wait(),
                                    self.manager.num_participants())
         if self.manager.errored() is not None:
@@ -281,8 +297,10 @@ class ReplicaGroupRuntime(Concern):
     # ---- state() ---------------------------------------------------------------------------------
     @override
     def snapshot(self) -> dict[str, Any]:
+        stack = _state.current()  # before the first quorum: the step resumable() restored
+        restored = stack.session.step if stack is not None else 0
         return {"replica_group": self.group, "replica_groups": self.participants,
-                "step": int(self.manager.current_step())}
+                "step": max(int(self.manager.current_step()), restored)}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -295,5 +313,5 @@ def _listed(groups: list[int]) -> str:
     return ", ".join(str(g) for g in groups)
 
 
-def _groups(count: int) -> str:
-    return f"{count} group{'s' * (count != 1)}"
+def _groups(count: int, one: str, more: str) -> str:
+    return f"{count} group {one}" if count == 1 else f"{count} groups {more}"

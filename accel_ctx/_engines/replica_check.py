@@ -20,7 +20,7 @@ from torch import nn
 
 _CHUNK = 1 << 20  # float64 sums of a few such integers stay exact
 _FIELDS = ("marker", "script", "script", "script", "tensors", "elements", "layout", "layout",
-           "layout")
+           "layout", "folder", "folder", "folder")
 
 
 def _chunks(digest: bytes) -> list[int]:
@@ -37,21 +37,23 @@ def _script_digest() -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def own_row(models: list[nn.Module]) -> list[int]:
-    """This group's fingerprint: script, and its trainable models' layout."""
+def own_row(models: list[nn.Module], folder: str | None) -> list[int]:
+    """This group's fingerprint: script, its trainable models' layout, its resumable() folder."""
     params = [(name, tuple(p.shape)) for m in models for name, p in m.named_parameters()
               if p.requires_grad]
     layout = hashlib.sha256(repr(params).encode()).digest()
     elements = sum(int(torch.Size(shape).numel()) for _, shape in params)
-    return [1, *_chunks(_script_digest()), len(params), elements % (1 << 40), *_chunks(layout)]
+    place = hashlib.sha256(folder.encode()).digest() if folder is not None else bytes(8)
+    return [1, *_chunks(_script_digest()), len(params), elements % (1 << 40), *_chunks(layout),
+            *_chunks(place)]
 
 
-def fingerprints(group: int, groups: int, models: list[nn.Module],
+def fingerprints(group: int, groups: int, models: list[nn.Module], folder: str | None,
                  allreduce: Callable[[torch.Tensor], object], participants: int
                  ) -> dict[int, tuple[int, ...]]:
     """Every participating group's row, by group index (one all-reduce)."""
     table = torch.zeros(groups, len(_FIELDS), dtype=torch.float64)
-    table[group] = torch.tensor(own_row(models), dtype=torch.float64)
+    table[group] = torch.tensor(own_row(models, folder), dtype=torch.float64)
     allreduce(table)  # averaged over the participants: scaled back below
     rows = (table * participants).round().to(torch.int64).tolist()
     return {g: tuple(row) for g, row in enumerate(rows) if row[0] == 1}
@@ -77,9 +79,14 @@ def message(group: int, rows: dict[int, tuple[int, ...]], members: frozenset[int
     what = []
     if mine[1:4] != reference[1:4]:
         what.append("another script (its file's contents differ)")
-    if mine[4:] != reference[4:]:
+    if mine[4:9] != reference[4:9]:
         what.append(f"other trainable parameters ({mine[4]} tensors, {mine[5]} elements, "
                     f"against {reference[4]} and {reference[5]})")
-    return (f"replica group {group} runs {' and '.join(what) or 'something else'} than replica "
-            f"group {like}: its gradients cannot be averaged with theirs. Start every replica "
-            "group with the same script, arguments and model.")
+    if what:
+        return (f"replica group {group} runs {' and '.join(what)} than replica group {like}: "
+                "its gradients cannot be averaged with theirs. Start every replica group with "
+                "the same script, arguments and model.")
+    return (f"replica group {group} keeps its resumable() checkpoints in another folder than "
+            f"replica group {like}: one healthy group writes the job's checkpoints, and a job "
+            "that lost every group resumes from them, so every group must name the same folder "
+            "(on storage all of them reach), without the group's index in its path.")

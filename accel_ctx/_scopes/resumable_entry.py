@@ -156,7 +156,10 @@ def open_run(runtime: Run, stack: _state.Stack) -> None:
         try:
             files.make_root(root)
             lock = guard.FolderLock(root)
-            lock.path = root / RUN_LOCK
+            launch = stack.job.launch if stack.job is not None else None
+            groups = launch is not None and launch.replica_groups > 1  # they share the folder
+            lock.path = root / (f"{RUN_LOCK}.group{launch.replica_group}" if groups and launch
+                                else RUN_LOCK)
             try:
                 runtime.lock = lock.acquire()
             except CheckpointError:
