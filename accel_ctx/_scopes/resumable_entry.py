@@ -46,6 +46,12 @@ class Run(ResumeRuntime):
     loader_hooks: tuple[Any, ...] = ()  # ours in the session's loader hooks (shared with
     # the scopes outside): taken out as the entry ends
 
+    @override
+    def snapshot(self) -> dict[str, Any]:
+        # state() read before the loop (`while state().step < N`): a loop bound by steps
+        self.step_first = self.step_first or not self.loader_seen
+        return super().snapshot()
+
     def need(self) -> None:
         """The loop needs the run: open the folder if its opening was deferred."""
         pending = self.pending

@@ -126,3 +126,12 @@ def test_a_resumed_loop_counting_epochs_with_range_is_warned(tmp_path):
     resumed = _python(script, folder, "0", "range")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stderr.count("run.epochs(n)") == 1
+    # a loop bound by state().step is not warned about
+    script.write_text(SCRIPT_SHAPE.replace("from accel_ctx import resumable",
+                                           "from accel_ctx import resumable, state").replace(
+        "    for epoch in epochs:\n", "    while state().step < 12:\n"))
+    folder = str(tmp_path / "run-steps")
+    assert _python(script, folder, "8", "range").returncode == 128 + 15
+    resumed = _python(script, folder, "0", "range")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "run.epochs(n)" not in resumed.stderr and "STEP 12" in resumed.stdout
