@@ -233,6 +233,8 @@ class ReplicaGroupRuntime(Concern):
     def allows_step(self, record: OptimizerRecord) -> bool:
         # once per step, however many optimizers take it: average over the groups, then vote
         stack = _state.current()
+        if self.steps_locally(stack):  # local steps: local_sgd() syncs by average_over_groups
+            return True
         mark = stack.session.backward_calls if stack is not None else -1
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
@@ -278,8 +280,39 @@ class ReplicaGroupRuntime(Concern):
     # ---- state() ---------------------------------------------------------------------------------
     @override
     def snapshot(self) -> dict[str, Any]:
-        return {"replica_group": self.group, "replica_groups": self.participants,
-                "step": int(self.manager.current_step())}
+        values = {"replica_group": self.group, "replica_groups": self.participants}
+        if not self.steps_locally(_state.current()):  # else each step is taken: the session's
+            values["step"] = int(self.manager.current_step())
+        return values
+
+    # ---- local_sgd() over the groups -------------------------------------------------------------
+    @staticmethod
+    def steps_locally(stack: _state.Stack | None) -> bool:
+        """A ``local_sgd()`` entry is open: each step is the group's own (no quorum, average or
+        vote); the groups meet only in :meth:`average_over_groups`."""
+        return stack is not None and "local_sgd" in stack.slots
+
+    def average_over_groups(self, tensors: list[torch.Tensor]) -> bool:
+        """``local_sgd()``'s sync: ``tensors`` averaged in place over the groups in the quorum
+        (formed at the period's first batch, or here), then the commit vote. False: a group
+        failed in it, ``tensors`` hold nothing meaningful (the caller keeps its own values)."""
+        self._quorum()
+        if not self._members <= self._checked:
+            self._check_same()
+        reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
+        step = int(self.manager.current_step())
+        commit = bool(self.manager.should_commit())
+        self.participants = int(self.manager.num_participants())
+        self._open = False  # the next period's first batch forms the next quorum
+        if not commit:
+            error = self.manager.errored()
+            self._failure = (f"its part of local_sgd()'s synchronisation {step + 1} failed: "
+                             f"{str(error.original_exception).splitlines()[0][:160]}"
+                             if error is not None else None)
+            self._say(f"local_sgd()'s synchronisation {step + 1} was not committed "
+                      f"({self._failure or 'a group failed'}): every group keeps its own "
+                      "weights, and the next period goes on.")
+        return commit
 
 
 def _listed(groups: list[int]) -> str:
