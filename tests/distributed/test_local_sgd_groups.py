@@ -71,7 +71,8 @@ def _by_hand(start: dict[str, torch.Tensor], seen: list[list[dict[str, Any]]],
             sync()
         for g, model in enumerate(models):
             weights[g].append({k: v.detach().clone() for k, v in model.state_dict().items()})
-    sync()  # leaving the scope ends the period in progress
+    if STEPS % H:
+        sync()  # leaving the scope ends the period in progress
     for g, model in enumerate(models):
         weights[g].append({k: v.detach().clone() for k, v in model.state_dict().items()})
     return weights, losses
