@@ -248,6 +248,8 @@ class ReplicaGroupRuntime(Concern):
     def allows_step(self, record: OptimizerRecord) -> bool:
         # once per step, however many optimizers take it: average over the groups, then vote
         stack = _state.current()
+        if self.steps_locally(stack):  # local steps: local_sgd() syncs by average_over_groups
+            return True
         mark = stack.session.backward_calls if stack is not None else -1
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
@@ -255,18 +257,24 @@ class ReplicaGroupRuntime(Concern):
         if not self._members <= self._checked:
             self._check_same()
         self._average()
-        step = int(self.manager.current_step())
+        commit = self._vote("step", "its update is dropped in every group, and the next "
+                            "batch goes on.")
+        self._decided = (mark, commit)
+        return commit
+
+    def _vote(self, what: str, outcome: str) -> bool:
+        """torchft's commit vote (did every group's part succeed?), and the line when not."""
+        number = int(self.manager.current_step()) + 1
         commit = bool(self.manager.should_commit())
         self.participants = int(self.manager.num_participants())
+        self._open = False  # the next training batch forms the next quorum
         if not commit:
             error = self.manager.errored()
             if self._failure is None and error is not None:  # a mismatch found first stays
                 first = str(error.original_exception).splitlines()[0][:160]
-                self._failure = f"its part of step {step} failed: {first}"
-            self._say(f"step {step} was not committed ({self._failure or 'a group failed'}): "
-                      "its update is dropped in every group, and the next batch goes on.")
-        self._open = False
-        self._decided = (mark, commit)
+                self._failure = f"its part of {what} {number} failed: {first}"
+            self._say(f"{what} {number} was not committed ({self._failure or 'a group failed'})"
+                      f": {outcome}")
         return commit
 
     def _check_same(self) -> None:
@@ -297,10 +305,32 @@ class ReplicaGroupRuntime(Concern):
     # ---- state() ---------------------------------------------------------------------------------
     @override
     def snapshot(self) -> dict[str, Any]:
-        stack = _state.current()  # before the first quorum: the step resumable() restored
-        restored = stack.session.step if stack is not None else 0
-        return {"replica_group": self.group, "replica_groups": self.participants,
-                "step": max(int(self.manager.current_step()), restored)}
+        values = {"replica_group": self.group, "replica_groups": self.participants}
+        stack = _state.current()
+        if not self.steps_locally(stack):  # else each step is taken: the session's
+            # before the first quorum: the step resumable() restored
+            restored = stack.session.step if stack is not None else 0
+            values["step"] = max(int(self.manager.current_step()), restored)
+        return values
+
+    # ---- local_sgd() over the groups -------------------------------------------------------------
+    @staticmethod
+    def steps_locally(stack: _state.Stack | None) -> bool:
+        """A ``local_sgd()`` entry is open: each step is the group's own (no quorum, average or
+        vote); the groups meet only in :meth:`average_over_groups`."""
+        return stack is not None and "local_sgd" in stack.slots
+
+    def average_over_groups(self, tensors: list[torch.Tensor]) -> bool:
+        """``local_sgd()``'s sync: ``tensors`` averaged in place over the groups in the quorum
+        (formed at the period's first batch, or here), then the commit vote. False: a group
+        failed in it, ``tensors`` hold nothing meaningful (the caller keeps its own values)."""
+        self._quorum()
+        if not self._members <= self._checked:
+            self._check_same()
+        reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
+        commit = self._vote("local_sgd()'s synchronisation", "every group keeps its own "
+                            "weights, and the next period goes on.")
+        return commit
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

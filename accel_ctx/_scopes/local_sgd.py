@@ -16,6 +16,12 @@ A step counts where it is taken: under ``accumulate(k)`` only a group's last mic
 and a step fp16 skips on an overflow still counts, so every rank synchronises at the same step.
 Each optimizer counts its own steps and synchronises its own parameters (the reference,
 ``PostLocalSGDOptimizer``, wraps one optimizer the same way).
+
+Across replica groups (``accel-ctx launch --replica-groups R``) the steps are local too: while
+the scope is open the group's runtime takes no quorum, gradient average or vote per step
+(:meth:`ReplicaGroupRuntime.steps_locally`). A synchronisation averages within the group, then
+over the groups in the quorum (:meth:`ReplicaGroupRuntime.average_over_groups`), and is applied
+only when the groups commit it; a failed one leaves every group's weights as they were.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from .._engines.buckets import reduce_in_buckets
+from .._engines.fault_tolerant import ReplicaGroupRuntime
 from .._group import blame as _blame
 from .._hooks.scope import Scope
 from .._job.job import Job
@@ -140,12 +147,17 @@ class LocalSGDRuntime(_PausesEngines):
 
     @torch.no_grad()
     def _sync(self, period: _Period) -> None:
-        job = _state.current_job()
+        stack = _state.current()
+        job = stack.job if stack is not None else None
+        replicas = stack.find(ReplicaGroupRuntime) if stack is not None else None
         params = period.params()
-        world = job.world_size if job is not None else 1
-        if period.shared is None:  # plain Local SGD: the average of the ranks' parameters
-            if world > 1 and job is not None:
-                _average(job, params)
+        if period.shared is None:  # plain Local SGD: the average of every rank's parameters
+            # across replica groups a failed sync leaves the parameters as they are: a copy
+            mean = params if replicas is None else [
+                p.detach().to(torch.float32, copy=True) for p in params]
+            if _average_all(job, mean, replicas) and mean is not params:
+                for p, m in zip(params, mean, strict=True):
+                    p.copy_(m)
             return
         shared, outer = period.shared, period.outer
         assert outer is not None
@@ -154,8 +166,8 @@ class LocalSGDRuntime(_PausesEngines):
                 "local_sgd(outer_optimizer=...): the optimizer's parameters changed inside the "
                 "scope (add_param_group?); add them before the scope opens.")
         pseudo = [g - p.to(torch.float32) for g, p in zip(shared, params, strict=True)]
-        if world > 1 and job is not None:
-            _average(job, pseudo)
+        if not _average_all(job, pseudo, replicas):
+            return  # the groups' sync failed: the local weights stay, the next one catches up
         for g, d in zip(shared, pseudo, strict=True):
             g.grad = d
         _outside_scopes(lambda _: outer.step(), shared)
@@ -209,6 +221,15 @@ def _outside_scopes(fn: Callable[[list[torch.Tensor]], Any], params: list[torch.
         return fn(params)
     finally:
         _state.reset_stack(token)
+
+
+def _average_all(job: Job | None, tensors: list[torch.Tensor],
+                 replicas: ReplicaGroupRuntime | None) -> bool:
+    """Average ``tensors`` in place over the job's ranks, then over the replica groups (the
+    same rank of each group holds its group's average); False: the groups' sync failed."""
+    if job is not None and job.world_size > 1:
+        _average(job, tensors)
+    return replicas is None or replicas.average_over_groups(tensors)
 
 
 def _average(job: Job, tensors: list[torch.Tensor]) -> None:
