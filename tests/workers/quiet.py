@@ -31,7 +31,7 @@ from accel_ctx import (
 )
 
 # (message prefix, category): torch's own warnings in a correct script, that hand-written torch
-# prints too. None so far under these scopes on torch 2.11-2.14 CPU; docs/troubleshooting.md
+# prints too. None under these scopes on torch 2.11.0 and 2.13.0 (CPU); docs/troubleshooting.md
 # lists the ones outside them (tensor parallel under sharded(), inductor's first compile).
 ALLOWED: tuple[tuple[str, type[Warning]], ...] = ()
 
