@@ -31,7 +31,10 @@ def main() -> None:
         raise SystemExit(2) from None
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    # a vocabulary of 128 tokens: its begin/end token is 0, not GPT-2's 50256 (which
+    # transformers would report as out of the vocabulary)
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=0, eos_token_id=0)
     ids = (torch.arange(32) + torch.randint(0, 128, (256, 1))) % 128
     with distributed(), mixed_precision(args.precision):
         model = GPT2LMHeadModel(config)

@@ -18,6 +18,7 @@ accel_ctx imported afresh.
 from __future__ import annotations
 
 import faulthandler
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
@@ -25,6 +26,7 @@ import queue
 import socket
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,10 +74,43 @@ def _child(
         import torch
 
         torch.set_num_threads(1)
+        ours = _warnings_at_our_lines()
         value = target(*args)
+        if ours:
+            raise AssertionError("torch warned at accel_ctx's own calls (a user would see it; "
+                                 "issue 41):\n" + "\n".join(sorted(set(ours))))
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
+
+
+# torch's own warnings, raised with a stacklevel that reaches the user's `loss.backward()` line
+# in plain torch and our Tensor.backward patch under the scopes (docs/troubleshooting.md):
+# the same script without accel_ctx prints them too.
+_TORCH_AT_USERS_BACKWARD = ("Full backward hook is firing when gradients are computed",)
+
+
+def _warnings_at_our_lines() -> list[str]:
+    """Every warning attributed to a line of accel_ctx, from now on, shown and listed: torch's
+    answer to a call of ours (a deprecated API, an option it warns about), which a user would see
+    under the scopes. accel_ctx's own warnings point at the user's line (_warn.warn_user), and a
+    worker that records warnings itself (catch_warnings) keeps them."""
+    spec = importlib.util.find_spec("accel_ctx")
+    assert spec is not None and spec.origin is not None
+    folder = os.path.dirname(spec.origin) + os.sep
+    ours: list[str] = []
+    shown = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: Any = None, line: str | None = None) -> None:
+        if os.path.abspath(filename).startswith(folder) and not str(message).startswith(
+                _TORCH_AT_USERS_BACKWARD):
+            ours.append(f"{filename}:{lineno}: {category.__name__}: {message}")
+        shown(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    warnings.filterwarnings("always", module=r"accel_ctx(\.|$)")  # past torch's and Python's ignores
+    return ours
 
 
 def free_port() -> int:

@@ -135,6 +135,7 @@ LONGEST_FIRST = (
     "package/test_demo.py",
     "launcher/test_launch_fn.py",
     "package/test_docs.py",  # ~8 s
+    "package/test_quiet.py",  # ~8 s
     "scopes/test_foundation_mp.py",
 )
 _TESTS = Path(__file__).resolve().parent
@@ -159,6 +160,7 @@ COMPAT = (
     "checkpoints/test_sharded_checkpoint.py",
     "resumable/test_resumable_matching.py",
     "package/test_examples.py",
+    "package/test_quiet.py",
 )
 
 

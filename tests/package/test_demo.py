@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from .._timeouts import scaled
+from .test_examples import unexpected_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -31,12 +32,13 @@ def _readme_output() -> tuple[str, list[str]]:
 @pytest.mark.slow
 def test_main_demo_prints_what_the_readme_shows():
     launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
     out = subprocess.run(  # the README's command: `./dev demo` runs it
         [launcher, "launch", "-n", "2", "examples/train.py"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=scaled(600),
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert not unexpected_warnings(out.stderr), out.stderr[-3000:]  # issue 41
     printed = out.stdout.splitlines()
     epochs = [line for line in printed if line.startswith("epoch")]
     assert len(epochs) == 20  # printed by rank 0 only
