@@ -193,6 +193,7 @@ class ReplicaGroupRuntime(Concern):
         self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
         self._checked &= self._members  # one that left and comes back is checked again
+        self.participants = len(self._members)  # the groups in the step under way
         if not previous or self._gathering:
             return
         step = int(self.manager.current_step())
