@@ -17,11 +17,13 @@ undisturbed job trains every step with all of them.
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
 from contextlib import ExitStack
 from datetime import timedelta
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -134,9 +136,20 @@ class ReplicaGroupRuntime(Concern):
         exits.callback(self.manager.shutdown, wait=False)
 
     def _unreachable(self, exc: BaseException) -> RendezvousError:
+        # torchft raises the same timeout whether the lighthouse is gone or no quorum formed
+        # there (fewer groups than its --min-replicas): a connection tells them apart
+        text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        timed_out = isinstance(exc, TimeoutError) or "Timeout expired" in text
+        if timed_out and _answers(self.address):
+            return RendezvousError(
+                f"replica group {self.group} reached the lighthouse at {self.address}, but no "
+                f"quorum formed there within {TIMEOUT.seconds} s: the lighthouse waits until its "
+                "--min-replicas groups ask for one, and fewer did. Start the missing groups "
+                f"(this job has {self.groups}), or run `accel-ctx lighthouse` with a smaller "
+                "--min-replicas.")
         return RendezvousError(
             f"replica group {self.group} cannot reach the lighthouse at {self.address} "
-            f"({str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__}): start "
+            f"({f'no answer within {TIMEOUT.seconds} s' if timed_out else text}): start "
             "`accel-ctx lighthouse` there, or give the launcher the address it prints "
             "(--lighthouse HOST:PORT).")
 
@@ -170,8 +183,9 @@ class ReplicaGroupRuntime(Concern):
                 self._say(
                     f"replica group{'s' * (len(missing) > 1)} {_listed(missing)} did not reach "
                     f"the lighthouse at {self.address} within {TIMEOUT.seconds} s; "
-                    f"{_groups(len(self._members), 'goes', 'go')} on without them, and they join "
-                    "at the current step when they arrive.")
+                    f"{_go_on(len(self._members))} without "
+                    f"{'them; each' if len(missing) > 1 else 'it; it'} joins at the current "
+                    "step when it arrives.")
         step = int(self.manager.current_step())
         stack = _state.current()
         if step > before and self.healing.source >= 0:
@@ -203,7 +217,7 @@ class ReplicaGroupRuntime(Concern):
         if left:
             why = self._failure or "it stopped answering the lighthouse"
             self._say(f"replica group{'s' * (len(left) > 1)} {_listed(left)} left at step "
-                      f"{step} ({why}); {_groups(len(self._members), 'goes', 'go')} on.")
+                      f"{step} ({why}); {_go_on(len(self._members))}.")
         if joined:
             self._say(f"replica group{'s' * (len(joined) > 1)} {_listed(joined)} joined at "
                       f"step {step}; {_groups(len(self._members), 'trains', 'train')}.")
@@ -291,7 +305,9 @@ class ReplicaGroupRuntime(Concern):
         if self.group in wrong:
             raise ConfigurationError(_check.message(self.group, rows, self._members))
         if wrong:
+            # not mixed with a gradient of another shape: this step is dropped in every group
             self._failure = _check.message(wrong[0], rows, self._members).split(":")[0]
+            self.manager.report_error(ConfigurationError(self._failure))
         self._checked = self._members - set(wrong)
 
     def _average(self) -> None:
@@ -340,8 +356,22 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else tensor
 
 
+def _answers(address: str) -> bool:
+    """Whether something listens at the lighthouse's ``http://HOST:PORT``."""
+    url = urlsplit(address)
+    try:
+        with socket.create_connection((url.hostname or "", url.port or 0), timeout=5):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def _listed(groups: list[int]) -> str:
     return ", ".join(str(g) for g in groups)
+
+
+def _go_on(count: int) -> str:
+    return f"{_groups(count, 'goes', 'go')} on"
 
 
 def _groups(count: int, one: str, more: str) -> str:

@@ -59,8 +59,10 @@ def group_env(settings: Mapping[str, object]) -> dict[str, str]:
         raise ConfigurationError(
             f"--replica-group {index} with --replica-groups {groups}: the groups are numbered "
             f"0 to {groups - 1}; give --replica-groups the job's group count.")
+    # torchft's Rust side logs every quorum at INFO (as in :func:`_run`): its warnings stay
     return {_env.LIGHTHOUSE_VAR: f"http://{settings['lighthouse']}",
-            _env.REPLICA_GROUP_VAR: str(index), _env.REPLICA_GROUPS_VAR: str(groups)}
+            _env.REPLICA_GROUP_VAR: str(index), _env.REPLICA_GROUPS_VAR: str(groups),
+            "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
 
 def unreachable(settings: Mapping[str, object], seconds: float = 30.0) -> str:
