@@ -111,6 +111,7 @@ def fast_tier_starts_no_process(request, monkeypatch):
 # tensor_parallel/test_tensor_parallel.py (seconds: in a full run on a 2-core machine).
 LONGEST_FIRST = (
     "resumable/test_resumable.py",  # ~165 s (~100 s alone)
+    "distributed/test_replica_groups_misuse.py",  # ~190 s: two 30 s waits
     "distributed/test_replica_groups.py",  # ~100 s: 3 groups, a kill, a restart (x2)
     "distributed/test_replica_groups_resume.py",  # ~100 s
     "distributed/test_replica_groups_equal.py",  # ~80 s

@@ -17,13 +17,10 @@ undisturbed job trains every step with all of them.
 
 from __future__ import annotations
 
-import socket
 import sys
 import time
 from contextlib import ExitStack
-from datetime import timedelta
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -36,13 +33,14 @@ from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import OptimizerRecord, Session
 from ..errors import ConfigurationError, RendezvousError
 from . import replica_check as _check
+from . import replica_events as _events
 from .buckets import reduce_in_buckets
 
 _NO_TORCHFT = (
     "this process was started in a replica group (TORCHFT_LIGHTHOUSE is set: accel-ctx launch "
     "--replica-groups), which needs torchft: pip install 'accel-ctx[ft]' (torchft>=0.2), or "
     "launch without --replica-groups.")
-TIMEOUT = timedelta(seconds=30)
+TIMEOUT = _events.TIMEOUT
 """How long a cross-group collective, a commit vote, a state transfer or the first gathering of
 the groups may take: a group that died mid-step costs the survivors at most this (gloo usually
 notices a dead peer at once)."""
@@ -136,22 +134,7 @@ class ReplicaGroupRuntime(Concern):
         exits.callback(self.manager.shutdown, wait=False)
 
     def _unreachable(self, exc: BaseException) -> RendezvousError:
-        # torchft raises the same timeout whether the lighthouse is gone or no quorum formed
-        # there (fewer groups than its --min-replicas): a connection tells them apart
-        text = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        timed_out = isinstance(exc, TimeoutError) or "Timeout expired" in text
-        if timed_out and _answers(self.address):
-            return RendezvousError(
-                f"replica group {self.group} reached the lighthouse at {self.address}, but no "
-                f"quorum formed there within {TIMEOUT.seconds} s: the lighthouse waits until its "
-                "--min-replicas groups ask for one, and fewer did. Start the missing groups "
-                f"(this job has {self.groups}), or run `accel-ctx lighthouse` with a smaller "
-                "--min-replicas.")
-        return RendezvousError(
-            f"replica group {self.group} cannot reach the lighthouse at {self.address} "
-            f"({f'no answer within {TIMEOUT.seconds} s' if timed_out else text}): start "
-            "`accel-ctx lighthouse` there, or give the launcher the address it prints "
-            "(--lighthouse HOST:PORT).")
+        return _events.unreachable(self.group, self.groups, self.address, exc)
 
     def _say(self, text: str) -> None:
         if self._speaks:
@@ -180,21 +163,14 @@ class ReplicaGroupRuntime(Concern):
             self._gathering = False
             missing = sorted(set(range(self.groups)) - self._members)
             if missing and self.manager.current_step() == 0:
-                self._say(
-                    f"replica group{'s' * (len(missing) > 1)} {_listed(missing)} did not reach "
-                    f"the lighthouse at {self.address} within {TIMEOUT.seconds} s; "
-                    f"{_go_on(len(self._members))} without "
-                    f"{'them; each' if len(missing) > 1 else 'it; it'} joins at the current "
-                    "step when it arrives.")
+                self._say(_events.missing(missing, len(self._members), self.address))
         step = int(self.manager.current_step())
         stack = _state.current()
         if step > before and self.healing.source >= 0:
             if stack is not None:
                 stack.session.step = step  # run.step and resumable()'s counts go on from there
-            self._say(f"replica group {self.group} healed from replica group "
-                      f"{self.healing.source} at step {step} in "
-                      f"{time.monotonic() - began:.1f} s (models, optimizers, schedulers, "
-                      "DataLoader positions, random states); it trains from there.")
+            self._say(_events.healed(self.group, self.healing.source, step,
+                                     time.monotonic() - began))
             self.healing.source = -1
 
     def _start(self) -> None:
@@ -216,11 +192,9 @@ class ReplicaGroupRuntime(Concern):
             left = joined = []  # the lowest group that stayed says it, once
         if left:
             why = self._failure or "it stopped answering the lighthouse"
-            self._say(f"replica group{'s' * (len(left) > 1)} {_listed(left)} left at step "
-                      f"{step} ({why}); {_go_on(len(self._members))}.")
+            self._say(_events.left(left, step, why, len(self._members)))
         if joined:
-            self._say(f"replica group{'s' * (len(joined) > 1)} {_listed(joined)} joined at "
-                      f"step {step}; {_groups(len(self._members), 'trains', 'train')}.")
+            self._say(_events.joined(joined, step, len(self._members)))
         self._failure = None
 
     def writes_checkpoints(self) -> bool:
@@ -354,25 +328,3 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (the tensor itself under no_grad), else the tensor."""
     to_local = getattr(tensor, "to_local", None)
     return to_local() if to_local is not None else tensor
-
-
-def _answers(address: str) -> bool:
-    """Whether something listens at the lighthouse's ``http://HOST:PORT``."""
-    url = urlsplit(address)
-    try:
-        with socket.create_connection((url.hostname or "", url.port or 0), timeout=5):
-            return True
-    except (OSError, ValueError):
-        return False
-
-
-def _listed(groups: list[int]) -> str:
-    return ", ".join(str(g) for g in groups)
-
-
-def _go_on(count: int) -> str:
-    return f"{_groups(count, 'goes', 'go')} on"
-
-
-def _groups(count: int, one: str, more: str) -> str:
-    return f"{count} group {one}" if count == 1 else f"{count} groups {more}"
