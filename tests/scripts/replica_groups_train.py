@@ -1,7 +1,8 @@
 """A plain distributed() loop, bounded by steps as a fault-tolerant loop is (a group that heals
 continues from its peers' step), with an LR scheduler, dropout and a shuffled DataLoader.
 Arguments: output folder, steps, groups, then the group whose first worker SIGKILLs itself after
-the step given last (-1: none), and "sharded" to train under sharded(); it steps on until every group is back (or for at most 4
+the step given last (-1: none), and "sharded" to train under sharded() or "accumulate-bf16" under
+accumulate(2) and mixed_precision("bf16"); it steps on until every group is back (or for at most 4
 minutes). Each step records what must be equal in every group: the step, the groups in it, the
 lr, a draw from torch's generator and the loader's position, and the samples it trained on."""
 
@@ -9,22 +10,34 @@ import os
 import signal
 import sys
 import time
+from contextlib import ExitStack
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import distributed, loader_state, sharded, state
+from accel_ctx import accumulate, distributed, loader_state, mixed_precision, sharded, state
 
 out, steps, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kill_group, kill_at = int(sys.argv[4]), int(sys.argv[5])
-scope = sharded() if sys.argv[6:] == ["sharded"] else distributed()
+mode = sys.argv[6] if len(sys.argv) > 6 else "distributed"
+
+
+def scopes() -> ExitStack:
+    stack = ExitStack()
+    stack.enter_context(sharded() if mode == "sharded" else distributed())
+    if mode == "accumulate-bf16":
+        stack.enter_context(accumulate(2))
+        stack.enter_context(mixed_precision("bf16"))
+    return stack
+
+
 deadline = time.monotonic() + 240  # a restart on a loaded machine takes long
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 torch.manual_seed(0)
 data = TensorDataset(torch.arange(96), torch.randn(96, 8), torch.randn(96, 1))
 
-with scope:
+with scopes():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
