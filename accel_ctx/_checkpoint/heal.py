@@ -38,6 +38,7 @@ class PeerState:
         self._loaders: list[weakref.ref[DataLoader[Any]]] = []
         self._pending_loaders: list[dict[str, Any]] = []
         self.source = -1  # the group the last state came from
+        self._stack: _state.Stack | None = None  # this process's scopes (read while it waits)
 
     # ---- meeting objects -------------------------------------------------------------------------
     def folder(self) -> str | None:
@@ -52,6 +53,7 @@ class PeerState:
 
     def met(self, kind: str, obj: Any) -> None:
         """``obj`` (a model, an optimizer, a scheduler) is met: a state waiting for it loads."""
+        self._stack = _state.current() or self._stack
         refs = self._met[kind]
         if any(ref() is obj for ref in refs):
             return
@@ -61,6 +63,7 @@ class PeerState:
 
     def met_loader(self, loader: Any, record: Any) -> None:
         """A DataLoader's first iteration: a position waiting for a loader like it applies."""
+        self._stack = _state.current() or self._stack
         if not isinstance(loader, DataLoader):
             return
         self._loaders.append(weakref.ref(loader))
@@ -74,6 +77,12 @@ class PeerState:
         """What this group sends a healing peer (read while the main thread waits in the
         quorum: no collective, the ranks of every group stand at the same batch)."""
         sent: dict[str, Any] = {"group": group, "rng": _rng.capture()}
+        stack = self._stack
+        # the session's step count and each open concern's state (accumulation counters, the
+        # fp16 loss scale, local_sgd()'s periods and DiLoCo's outer state), as a checkpoint has
+        sent["step"] = stack.session.step if stack is not None else 0
+        sent["concerns"] = ({c.slot: st for c in stack.concerns if (st := c.state_dict())}
+                            if stack is not None else {})
         for kind in _KINDS:
             objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
             # sharded(): each rank sends its own shards (the same rank of the healing group
@@ -98,6 +107,11 @@ class PeerState:
         if resume is not None:  # the peer's state is newer than any checkpoint on disk
             resume.superseded()
         _rng.restore(sent["rng"])
+        if stack is not None:
+            stack.session.step = int(sent["step"])  # run.step and state().step go on from there
+            for concern in stack.concerns:
+                if concern.slot in sent["concerns"]:
+                    concern.load_state_dict(sent["concerns"][concern.slot])
         for kind in _KINDS:
             objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
             states = list(sent[kind])

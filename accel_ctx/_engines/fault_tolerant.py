@@ -165,10 +165,7 @@ class ReplicaGroupRuntime(Concern):
             if missing and self.manager.current_step() == 0:
                 self._say(_events.missing(missing, len(self._members), self.address))
         step = int(self.manager.current_step())
-        stack = _state.current()
         if step > before and self.healing.source >= 0:
-            if stack is not None:
-                stack.session.step = step  # run.step and resumable()'s counts go on from there
             self._say(_events.healed(self.group, self.healing.source, step,
                                      time.monotonic() - began))
             self.healing.source = -1
