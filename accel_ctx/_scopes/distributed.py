@@ -16,7 +16,6 @@ import torch
 from torch import nn
 from typing_extensions import Unpack, override
 
-from .._checkpoint import heal as _heal
 from .._data.eval_passes import last_verdict, verdict
 from .._data.replica_inputs import note_inputs, note_loss
 from .._engines import (
@@ -134,8 +133,11 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: _fsdp.Shar
     job = start_job(options, exits, on_job=_job_exits)
     _check_tensor(job, tensor, plan)
     runtime = DistributedRuntime(job, plan, tensor)
-    replicas = ((_fault_tolerant.ReplicaGroupRuntime(job, exits, _heal.PeerState()),)
-                if job.launch.lighthouse else ())
+    replicas: tuple[Concern, ...] = ()
+    if job.launch.lighthouse:
+        from .._checkpoint import heal  # loads DCP: only in a replica group
+
+        replicas = (_fault_tolerant.ReplicaGroupRuntime(job, exits, heal.PeerState()),)
     default = precision_from_env(job.device, exits)
     more = (*replicas, default) if default is not None else replicas
     return (runtime, *more) if more else runtime
