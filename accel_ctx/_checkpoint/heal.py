@@ -67,6 +67,10 @@ class PeerState:
         if not isinstance(loader, DataLoader):
             return
         self._loaders.append(weakref.ref(loader))
+        self._apply_position(loader, record)
+
+    def _apply_position(self, loader: DataLoader[Any], record: Any) -> None:
+        """The waiting position of a loader like ``loader`` (if one is), for its next epoch."""
         index = _position.pick([e["position"] for e in self._pending_loaders], loader)
         if index is not None:
             entry = self._pending_loaders.pop(index)
@@ -122,11 +126,7 @@ class PeerState:
         for loader in (ref() for ref in self._loaders):
             record = _records.peek_loader_record(loader) if loader is not None else None
             if loader is not None and record is not None:  # iterated already: its next epoch
-                index = _position.pick([e["position"] for e in self._pending_loaders], loader)
-                if index is not None:
-                    entry = self._pending_loaders.pop(index)
-                    _position.apply_position(loader, record, entry["position"],
-                                             entry["generator"])
+                self._apply_position(loader, record)
 
 
 def _locals(state: Any) -> Any:

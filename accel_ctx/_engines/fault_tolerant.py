@@ -239,12 +239,13 @@ class ReplicaGroupRuntime(Concern):
         mark = stack.session.backward_calls if stack is not None else -1
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
-        self._quorum()
-        if not self._members <= self._checked:
-            self._check_same()
-        self._average()
-        commit = self._vote("step", "its update is dropped in every group, and the next "
-                            "batch goes on.")
+        # sharded(): each rank's shard of a gradient, with the same rank of every other group
+        # (torchft's HSDP: FSDP2 reduce-scattered inside the group already)
+        with torch.no_grad():
+            grads = [_local(p.grad) for m in self.healing.models() for p in m.parameters()
+                     if p.grad is not None]
+        commit = self._average_and_vote(grads, "step", "its update is dropped in every group, "
+                                        "and the next batch goes on.")
         self._decided = (mark, commit)
         return commit
 
@@ -281,15 +282,6 @@ class ReplicaGroupRuntime(Concern):
             self.manager.report_error(ConfigurationError(self._failure))
         self._checked = self._members - set(wrong)
 
-    def _average(self) -> None:
-        # sharded(): each rank's shard of a gradient, with the same rank of every other group
-        # (torchft's HSDP: FSDP2 reduce-scattered inside the group already)
-        with torch.no_grad():
-            grads = [_local(p.grad) for m in self.healing.models() for p in m.parameters()
-                     if p.grad is not None]
-        # one all-reduce per device and dtype, averaged over the groups in the quorum
-        reduce_in_buckets(grads, lambda flat: self.manager.allreduce(flat).wait())
-
     # ---- state() ---------------------------------------------------------------------------------
     @override
     def snapshot(self) -> dict[str, Any]:
@@ -312,13 +304,17 @@ class ReplicaGroupRuntime(Concern):
         """``local_sgd()``'s sync: ``tensors`` averaged in place over the groups in the quorum
         (formed at the period's first batch, or here), then the commit vote. False: a group
         failed in it, ``tensors`` hold nothing meaningful (the caller keeps its own values)."""
+        return self._average_and_vote(tensors, "local_sgd()'s synchronisation", "every group "
+                                      "keeps its own weights, and the next period goes on.")
+
+    def _average_and_vote(self, tensors: list[torch.Tensor], what: str, outcome: str) -> bool:
+        """The quorum (if none is open), the groups' check when it changed, ``tensors``
+        averaged over the groups in it (one all-reduce per device and dtype), the vote."""
         self._quorum()
         if not self._members <= self._checked:
             self._check_same()
         reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
-        commit = self._vote("local_sgd()'s synchronisation", "every group keeps its own "
-                            "weights, and the next period goes on.")
-        return commit
+        return self._vote(what, outcome)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
