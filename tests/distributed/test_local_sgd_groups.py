@@ -22,12 +22,6 @@ H, STEPS = 3, 8  # as in tests/scripts/local_sgd_groups.py
 OUTER = functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _by_hand(start: dict[str, torch.Tensor], seen: list[list[dict[str, Any]]],
              diloco: bool) -> tuple[list[list[dict[str, torch.Tensor]]], list[list[float]]]:
     """Each group's replica trained on the batches it saw; the sync every H steps and at the

@@ -16,12 +16,6 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 pytestmark = pytest.mark.usefixtures("_stop_launchers")
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _last_per_step(seen: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Each committed step's record (a step retried after a failure records its step again)."""
     return {record["step"]: record for record in seen}

@@ -15,12 +15,6 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 pytestmark = pytest.mark.usefixtures("_stop_launchers")
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _run(tmp_path: Path, name: str, launch: list[str], groups: int, mode: str = "distributed"
          ) -> dict[str, object]:
     out = tmp_path / name

@@ -23,12 +23,6 @@ SCRIPT = _launcher.SCRIPTS / "replica_groups_misuse.py"
 STEPS = 6
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _lighthouse(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Path, str]:
     """`accel-ctx lighthouse --port 0 ARGS`, its log and the HOST:PORT it prints."""
     proc, log = _launcher.start(["--port", "0", *args], tmp_path, "lighthouse.log",

@@ -20,12 +20,6 @@ pytestmark = pytest.mark.usefixtures("_stop_launchers")
 SCRIPT = str(_launcher.SCRIPTS / "replica_groups_join.py")
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _wait_for(what: str, found, seconds: float, logs: list[Path]):
     """``found()``'s first true value within ``seconds`` (scaled); else fail with the logs."""
     deadline = time.monotonic() + _timeouts.scaled(seconds)

@@ -15,12 +15,6 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 pytestmark = pytest.mark.usefixtures("_stop_launchers")
 
 
-@pytest.fixture
-def _stop_launchers():
-    yield
-    _launcher.stop_all()
-
-
 def _launch(tmp_path: Path, name: str, kill_at: int, place: str, restarts: int = 1,
             only: tuple[str, ...] = ()) -> tuple[int, str, Path]:
     out = tmp_path / name
