@@ -15,7 +15,9 @@ The n-th checkpoint call of a process group is its point n (every rank counts it
 host and start time) from the start of a save to its end and deletes it then. A second save
 into the same folder meanwhile, from another job or thread, is refused naming the holder. The
 kernel drops the lock of a process that dies, so a lock file left by a killed save is taken
-over by the next one.
+over by the next one. A child forked while the lock is held (a DataLoader worker) would share
+it and keep it for seconds after its parent is killed, until it notices: each child closes its
+copy as it starts.
 """
 
 from __future__ import annotations
@@ -215,6 +217,21 @@ def _forget(store: Any, prefix: str, n: int, rank: int) -> None:
 
 
 # ---- one save per folder -----------------------------------------------------------------------
+_held_locks: weakref.WeakSet[FolderLock] = weakref.WeakSet()
+_fork_hook = [False]
+
+
+def _close_in_forked_child() -> None:
+    """A forked child drops its copy of every held lock: the lock is its parent's alone, and is
+    freed the moment the parent dies (the child's fd would hold it until the child exits)."""
+    for lock in list(_held_locks):
+        if lock.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(lock.fd)
+            lock.fd = None
+    _held_locks.clear()
+
+
 class FolderLock:
     """Rank 0's exclusive hold on a checkpoint folder for the time of one save."""
 
@@ -243,6 +260,10 @@ class FolderLock:
                 break
             os.close(fd)
         self.fd = fd
+        if not _fork_hook[0]:
+            os.register_at_fork(after_in_child=_close_in_forked_child)
+            _fork_hook[0] = True
+        _held_locks.add(self)
         owner = {"pid": os.getpid(), "host": socket.gethostname(),
                  "since": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         with contextlib.suppress(OSError):  # only for messages (a full disk is said later)
@@ -257,6 +278,7 @@ class FolderLock:
             os.unlink(self.path)  # while still holding it: nobody takes a file being deleted
         os.close(self.fd)
         self.fd = None
+        _held_locks.discard(self)
 
     def _held(self) -> str:
         try:

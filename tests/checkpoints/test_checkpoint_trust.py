@@ -255,6 +255,27 @@ def test_a_second_save_into_a_folder_being_saved_into_is_refused(tmp_path):
         held.release()
 
 
+def test_a_folder_lock_is_not_kept_by_the_loader_workers_of_a_killed_holder(tmp_path):
+    # resumable() holds its folder's lock for the whole run, and a DataLoader forks its workers
+    # meanwhile; a rank killed by SIGKILL leaves them alive for seconds (until they see their
+    # parent gone). Its restart must take the folder over at once, not find it "in use".
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    held = guard.FolderLock(root).acquire()
+    loader = torch.utils.data.DataLoader(range(8), num_workers=1,
+                                         multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)  # the worker forked and alive
+    try:
+        assert held.fd is not None
+        os.close(held.fd)  # what the kernel does to a process killed now: its fds, not the worker's
+        held.fd = None
+        taken = guard.FolderLock(root).acquire()
+        taken.release()
+    finally:
+        del batches  # the worker stops
+
+
 def test_an_optimizer_over_other_parameters_names_them(tmp_path):
     model, opt = _model(1.0)
     save_state(tmp_path / "a", model=model, optimizer=opt)
