@@ -11,8 +11,8 @@ collective failed (a group died in it) is not committed and not counted; the sur
 
 The quorum of a step is formed before its first batch is fetched (so a healing group's
 DataLoader continues at its peers' position), or at its first forward where no DataLoader
-drives the loop. The first quorum waits up to :data:`TIMEOUT` for every group, so that an
-undisturbed job trains every step with all of them.
+drives the loop. The first quorum waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every
+group, so that an undisturbed job trains every step with all of them.
 """
 
 from __future__ import annotations
@@ -40,10 +40,6 @@ _NO_TORCHFT = (
     "this process was started in a replica group (TORCHFT_LIGHTHOUSE is set: accel-ctx launch "
     "--replica-groups), which needs torchft: pip install 'accel-ctx[ft]' (torchft>=0.2), or "
     "launch without --replica-groups.")
-TIMEOUT = _events.TIMEOUT
-"""How long a cross-group collective, a commit vote, a state transfer or the first gathering of
-the groups may take: a group that died mid-step costs the survivors at most this (gloo usually
-notices a dead peer at once)."""
 
 
 def _torchft() -> Any:
@@ -107,7 +103,8 @@ class ReplicaGroupRuntime(Concern):
         self._failure: str | None = None  # why the last step was not committed
         self._gathering = False  # the first quorum waits for every group
         self.participants = 1  # this group alone until a quorum says otherwise
-        pg = torchft.ProcessGroupGloo(timeout=TIMEOUT)
+        self._timeout = timeout = _events.timeout()
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
 
         def make() -> Any:
             try:
@@ -115,7 +112,7 @@ class ReplicaGroupRuntime(Concern):
                     pg=pg, load_state_dict=self.healing.load,
                     state_dict=lambda: self.healing.state(self.group),
                     min_replica_size=1, use_async_quorum=False,  # heal before the batch
-                    timeout=TIMEOUT, quorum_timeout=TIMEOUT, connect_timeout=TIMEOUT,
+                    timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                     rank=job.rank, world_size=job.world_size, lighthouse_addr=self.address,
                     replica_id=f"accel_ctx_{self.group}")
             except Exception as exc:  # the lighthouse is not there
@@ -157,7 +154,7 @@ class ReplicaGroupRuntime(Concern):
         if first:
             self._gathering = True  # the groups arriving at the start: no line for each
             while (len(self._members) < self.groups and self.manager.current_step() == 0
-                   and time.monotonic() - began < TIMEOUT.total_seconds()):
+                   and time.monotonic() - began < self._timeout.total_seconds()):
                 time.sleep(0.2)  # the others are still starting: a step with all of them
                 self._start()
             self._gathering = False

@@ -6,10 +6,18 @@ import socket
 from datetime import timedelta
 from urllib.parse import urlsplit
 
+from .._job.env import replica_timeout
 from ..errors import RendezvousError
 
-TIMEOUT = timedelta(seconds=30)
-"""How long a quorum, a cross-group collective or a state transfer may take."""
+
+def timeout() -> timedelta:
+    """How long a quorum, a cross-group collective or a state transfer may take
+    (``ACCEL_CTX_REPLICA_TIMEOUT``, 30 s)."""
+    return timedelta(seconds=replica_timeout())
+
+
+def _seconds() -> str:
+    return f"{replica_timeout():g}"
 
 
 def unreachable(group: int, groups: int, address: str, exc: BaseException) -> RendezvousError:
@@ -21,13 +29,13 @@ def unreachable(group: int, groups: int, address: str, exc: BaseException) -> Re
     if timed_out and _answers(address):
         return RendezvousError(
             f"replica group {group} reached the lighthouse at {address}, but no "
-            f"quorum formed there within {TIMEOUT.seconds} s: the lighthouse waits until its "
+            f"quorum formed there within {_seconds()} s: the lighthouse waits until its "
             "--min-replicas groups ask for one, and fewer did. Start the missing groups "
             f"(this job has {groups}), or run `accel-ctx lighthouse` with a smaller "
             "--min-replicas.")
     return RendezvousError(
         f"replica group {group} cannot reach the lighthouse at {address} "
-        f"({f'no answer within {TIMEOUT.seconds} s' if timed_out else text}): start "
+        f"({f'no answer within {_seconds()} s' if timed_out else text}): start "
         "`accel-ctx lighthouse` there, or give the launcher the address it prints "
         "(--lighthouse HOST:PORT).")
 
@@ -35,7 +43,7 @@ def unreachable(group: int, groups: int, address: str, exc: BaseException) -> Re
 def missing(groups: list[int], members: int, address: str) -> str:
     """Groups that did not arrive for the job's first quorum."""
     return (f"replica group{'s' * (len(groups) > 1)} {_listed(groups)} did not reach the "
-            f"lighthouse at {address} within {TIMEOUT.seconds} s; {_go_on(members)} without "
+            f"lighthouse at {address} within {_seconds()} s; {_go_on(members)} without "
             f"{'them; each' if len(groups) > 1 else 'it; it'} joins at the current step when "
             "it arrives.")
 

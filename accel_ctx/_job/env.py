@@ -23,6 +23,26 @@ DEBUG_VAR = "ACCEL_CTX_DEBUG"
 LIGHTHOUSE_VAR = "TORCHFT_LIGHTHOUSE"
 REPLICA_GROUP_VAR = "REPLICA_GROUP_ID"
 REPLICA_GROUPS_VAR = "NUM_REPLICA_GROUPS"
+REPLICA_TIMEOUT_VAR = "ACCEL_CTX_REPLICA_TIMEOUT"
+REPLICA_TIMEOUT_DEFAULT = 30.0
+
+
+def replica_timeout(env: Mapping[str, str] | None = None) -> float:
+    """Seconds a replica group waits for the lighthouse, a quorum, the first quorum's other
+    groups, a cross-group collective or a state transfer: ``ACCEL_CTX_REPLICA_TIMEOUT``, else 30
+    (more where groups start minutes apart, as on a busy scheduler)."""
+    text = (os.environ if env is None else env).get(REPLICA_TIMEOUT_VAR, "")
+    if not text:
+        return REPLICA_TIMEOUT_DEFAULT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise LaunchEnvironmentError(
+            f"{REPLICA_TIMEOUT_VAR}={text!r}: give a positive number of seconds (default "
+            f"{REPLICA_TIMEOUT_DEFAULT:g}) for the replica groups' quorums and transfers.")
+    return seconds
 
 
 @dataclass(frozen=True)

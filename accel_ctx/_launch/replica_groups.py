@@ -43,6 +43,8 @@ def group_env(settings: Mapping[str, object]) -> dict[str, str]:
     """The variables of one group's workers under ``--lighthouse HOST:PORT --replica-group I``
     (none without ``--lighthouse``); a ConfigurationError for a group that cannot be."""
     group, groups = settings.get("replica_group"), int(str(settings.get("replica_groups", 1)))
+    if "lighthouse" in settings or groups > 1:  # a bad one is named before anything starts
+        _env.replica_timeout()
     if "lighthouse" not in settings:
         if group is not None:
             raise ConfigurationError(
@@ -65,12 +67,14 @@ def group_env(settings: Mapping[str, object]) -> dict[str, str]:
             "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
 
 
-def unreachable(settings: Mapping[str, object], seconds: float = 30.0) -> str:
+def unreachable(settings: Mapping[str, object], seconds: float | None = None) -> str:
     """Why this group's launcher cannot use ``--lighthouse``, or ''.
 
     The lighthouse may start a little after the groups: a connection is tried again until
     ``seconds`` have passed, before any worker starts (torchft's Manager would otherwise wait
     on it, silently, for its own timeouts)."""
+    if seconds is None:
+        seconds = _env.replica_timeout()
     address = str(settings.get("lighthouse") or "")
     host, port = split_host_port(address) or ("", 0)
     if not host:

@@ -101,8 +101,17 @@ def test_a_group_training_another_model_stops_naming_the_sizes_and_the_other_tra
         "other trainable parameters (4 tensors, 121 elements, against 4 and 161)")
 
 
+def _short_replica_timeout(monkeypatch: pytest.MonkeyPatch) -> str:
+    """ACCEL_CTX_REPLICA_TIMEOUT for a test that waits one out (30 s by default: the same
+    path, waited longer), scaled for a busy machine; the seconds as the messages say them."""
+    seconds = f"{round(_timeouts.scaled(8))}"
+    monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", seconds)
+    return seconds
+
+
 def test_a_group_that_never_arrives_is_named_and_the_others_train_without_it(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wait = _short_replica_timeout(monkeypatch)
     lighthouse, lighthouse_log, address = _lighthouse(tmp_path)
     first, first_log = _group(tmp_path, address, 0, SCRIPT)  # group 1 is never started
     code = _launcher.finish(first, 300)
@@ -110,7 +119,7 @@ def test_a_group_that_never_arrives_is_named_and_the_others_train_without_it(
     assert code == 0, text[-3000:]
     lines = [line for line in text.splitlines() if line.startswith("accel-ctx:")]
     assert lines == [f"accel-ctx: replica group 1 did not reach the lighthouse at "
-                     f"http://{address} within 30 s; 1 group goes on without it; it joins at "
+                     f"http://{address} within {wait} s; 1 group goes on without it; it joins at "
                      "the current step when it arrives."], text[-3000:]
     run = _trained_alone_to_the_end(tmp_path, text)
     assert {groups for _, groups in run["seen"]} == {1}, text[-3000:]
@@ -118,17 +127,18 @@ def test_a_group_that_never_arrives_is_named_and_the_others_train_without_it(
 
 
 def test_a_quorum_the_lighthouse_never_forms_ends_the_group_naming_min_replicas(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    wait = _short_replica_timeout(monkeypatch)
     lighthouse, lighthouse_log, address = _lighthouse(tmp_path, "--min-replicas", "2")
     first, first_log = _group(tmp_path, address, 0, SCRIPT)  # the second group never comes
-    code = _launcher.finish(first, 300)  # the quorum's 30 s, not forever
+    code = _launcher.finish(first, 300)  # the quorum's timeout, not forever
     text = first_log.read_text()
     assert code == 1, text[-3000:]
     errors = [line for line in text.splitlines() if "Error: " in line]
     assert errors[-1] == (
         f"accel_ctx.errors.RendezvousError: replica group 0 reached the lighthouse at "
-        f"http://{address}, but no quorum formed there within 30 s: the lighthouse waits until "
-        "its --min-replicas groups ask for one, and fewer did. Start the missing groups (this "
+        f"http://{address}, but no quorum formed there within {wait} s: the lighthouse waits "
+        "until its --min-replicas groups ask for one, and fewer did. Start the missing groups (this "
         "job has 2), or run `accel-ctx lighthouse` with a smaller --min-replicas."), text[-3000:]
     assert "cannot reach" not in text, text[-3000:]
     assert text.rstrip().splitlines()[-1].startswith("accel-ctx launch: rank 0"), text[-3000:]

@@ -70,9 +70,11 @@ def test_a_group_started_later_joins_the_live_job_at_its_step_through_a_lighthou
     assert "stopped by SIGTERM" in lighthouse_log.read_text()
 
 
-def test_a_group_whose_lighthouse_never_answers_says_so_within_30_s_and_starts_no_worker(
-        tmp_path: Path) -> None:
+def test_a_group_whose_lighthouse_never_answers_says_so_within_its_timeout_and_starts_no_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import socket
+
+    monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", "3")  # 30 s by default: the same path
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -83,7 +85,7 @@ def test_a_group_whose_lighthouse_never_answers_says_so_within_30_s_and_starts_n
     assert _launcher.finish(proc, 90) == 1
     lines = [line for line in log.read_text().splitlines() if line.strip()]
     assert lines == [f"accel-ctx launch: cannot reach the replica groups' lighthouse at "
-                     f"http://127.0.0.1:{port} within 30 s (Connection refused). Start "
+                     f"http://127.0.0.1:{port} within 3 s (Connection refused). Start "
                      f"`accel-ctx lighthouse --port {port}` on 127.0.0.1 first, or check "
                      "--lighthouse (the host and port it printed)."], lines
     assert not (tmp_path / "progress0").exists()  # no worker started

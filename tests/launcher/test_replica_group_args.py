@@ -107,6 +107,25 @@ def test_an_unreachable_lighthouse_is_named_with_the_fix_and_a_late_one_is_waite
         late.close()
 
 
+def test_the_replica_timeout_comes_from_the_environment_and_a_bad_one_is_named(
+        capsys, monkeypatch):
+    port = _closed_port()
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", "1.5")
+    why = replica_groups.unreachable({"lighthouse": f"127.0.0.1:{port}"})
+    assert f"lighthouse at http://127.0.0.1:{port} within 1.5 s" in why
+    for bad in ("soon", "0", "-3", "inf"):
+        monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", bad)
+        assert main(["launch", "--lighthouse", f"127.0.0.1:{port}", "--replica-group", "0",
+                     __file__]) == 2  # before anything starts
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert f"ACCEL_CTX_REPLICA_TIMEOUT={bad!r}: give a positive number of seconds" in err
+    monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", "soon")  # the groups of one machine too
+    assert main(["launch", "--replica-groups", "2", __file__]) == 2
+    assert "ACCEL_CTX_REPLICA_TIMEOUT='soon'" in capsys.readouterr().err
+
+
 def test_lighthouse_refuses_a_taken_port_bad_numbers_and_a_missing_torchft(capsys, monkeypatch):
     pytest.importorskip("torchft")
     monkeypatch.setenv("RUST_LOG", "warn")  # what the command sets for the Rust server
