@@ -15,23 +15,29 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 pytestmark = pytest.mark.usefixtures("_stop_launchers")
 
 
-def _run(tmp_path: Path, name: str, launch: list[str], groups: int, mode: str = "distributed"
-         ) -> dict[str, object]:
-    out = tmp_path / name
-    out.mkdir()
+def _runs(tmp_path: Path, mode: str = "distributed", **launches: list[str]
+          ) -> dict[str, dict[str, object]]:
+    """Each launch (its flags, by name) of the script in ``mode``, all side by side (a replica
+    group waits on its lighthouse much of the time); each one's record of group 0's rank 0."""
     script = str(_launcher.SCRIPTS / "replica_groups_train.py")
-    proc, log = _launcher.start([*launch, script, str(out), "8", str(groups), "-1", "0", mode],
-                                tmp_path, f"{name}.log")
-    code = _launcher.finish(proc, 300)
-    assert code == 0, log.read_text(errors="replace")[-3000:]
-    return torch.load(out / "group0-rank0.pt")
+    started = {}
+    for name, launch in launches.items():
+        out = tmp_path / name
+        out.mkdir()
+        groups = launch[launch.index("--replica-groups") + 1] if "--replica-groups" in launch else "1"
+        started[name] = (out, *_launcher.start([*launch, script, str(out), "8", groups, "-1", "0",
+                                                mode], tmp_path, f"{name}.log"))
+    for _, proc, log in started.values():
+        assert _launcher.finish(proc, 300) == 0, log.read_text(errors="replace")[-3000:]
+    return {name: torch.load(out / "group0-rank0.pt") for name, (out, _, _) in started.items()}
 
 
 @pytest.mark.parametrize(("per_group", "world"), [(1, 2), (2, 4)])
 def test_replica_groups_equal_ddp_at_the_same_world_size(
         tmp_path: Path, per_group: int, world: int) -> None:
-    groups = _run(tmp_path, "groups", ["-n", str(per_group), "--replica-groups", "2"], 2)
-    ddp = _run(tmp_path, "ddp", ["-n", str(world)], 1)
+    runs = _runs(tmp_path, groups=["-n", str(per_group), "--replica-groups", "2"],
+                 ddp=["-n", str(world)])
+    groups, ddp = runs["groups"], runs["ddp"]
     assert [r["step"] for r in groups["seen"]] == list(range(1, 9))  # every step, both groups
     assert all(r["groups"] == 2 for r in groups["seen"])
     for mine, theirs in zip(groups["seen"], ddp["seen"], strict=True):
@@ -41,8 +47,9 @@ def test_replica_groups_equal_ddp_at_the_same_world_size(
 
 
 def test_accumulate_and_bf16_in_replica_groups_equal_them_under_ddp(tmp_path: Path) -> None:
-    groups = _run(tmp_path, "groups", ["-n", "1", "--replica-groups", "2"], 2, "accumulate-bf16")
-    ddp = _run(tmp_path, "ddp", ["-n", "2"], 1, "accumulate-bf16")
+    runs = _runs(tmp_path, "accumulate-bf16", groups=["-n", "1", "--replica-groups", "2"],
+                 ddp=["-n", "2"])
+    groups, ddp = runs["groups"], runs["ddp"]
     steps = [r["step"] for r in groups["seen"]]
     assert steps == [r["step"] for r in ddp["seen"]] and steps[:4] == [0, 1, 1, 2]  # 2 batches a step
     for mine, theirs in zip(groups["seen"], ddp["seen"], strict=True):

@@ -4,6 +4,7 @@ every group resumes from it, and per-group folders are refused."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,24 +16,35 @@ pytest.importorskip("torchft", reason="replica groups need torchft (pip install 
 pytestmark = pytest.mark.usefixtures("_stop_launchers")
 
 
-def _launch(tmp_path: Path, name: str, kill_at: int, place: str, restarts: int = 1,
-            only: tuple[str, ...] = ()) -> tuple[int, str, Path]:
+def _start(tmp_path: Path, name: str, kill_at: int, place: str, restarts: int = 1,
+           only: tuple[str, ...] = ()) -> tuple[Any, Path, Path]:
     out = tmp_path / name
     out.mkdir()
     script = str(_launcher.SCRIPTS / "replica_groups_resume.py")
     proc, log = _launcher.start(
         ["-n", "1", "--replica-groups", "2", "--max-restarts", str(restarts), script, str(out), "10",
          str(kill_at), place, *only], tmp_path, f"{name}.log")
+    return proc, log, out
+
+
+def _finish(started: tuple[Any, Path, Path]) -> tuple[int, str, Path]:
+    proc, log, out = started
     code = _launcher.finish(proc, 300)
     return code, log.read_text(errors="replace"), out
 
 
+def _launch(tmp_path: Path, name: str, kill_at: int, place: str, restarts: int = 1,
+            only: tuple[str, ...] = ()) -> tuple[int, str, Path]:
+    return _finish(_start(tmp_path, name, kill_at, place, restarts, only))
+
+
 def test_a_job_that_lost_every_group_resumes_from_the_folder_one_group_wrote(
         tmp_path: Path) -> None:
-    code, text, out = _launch(tmp_path, "killed", 5, "shared")
+    killed = _start(tmp_path, "killed", 5, "shared")  # side by side with the reference
+    code_whole, text_whole, whole = _finish(_start(tmp_path, "whole", -1, "shared"))
+    code, text, out = _finish(killed)
     assert code == 0, text[-3000:]
-    code, text_whole, whole = _launch(tmp_path, "whole", -1, "shared")
-    assert code == 0, text_whole[-3000:]
+    assert code_whole == 0, text_whole[-3000:]
     runs = [torch.load(out / f"group{g}.pt") for g in range(2)]
     assert [r["restart"] for r in runs] == [1, 1] and [r["step"] for r in runs] == [10, 10]
     assert "resum" in text.lower()
