@@ -26,7 +26,6 @@ import contextlib
 import errno
 import itertools
 import json
-import math
 import os
 import socket
 import threading
@@ -41,6 +40,7 @@ import torch.distributed as dist
 from .._group import barrier as _barrier
 from .._group.keywait import KeyWait
 from .._job import progress as _progress
+from .._job.env import seconds_from
 from .._kernel import state as _state
 from .._warn import warn_user
 from ..errors import CheckpointError, ConfigurationError, DistributedError
@@ -70,17 +70,9 @@ _lock = threading.Lock()
 def arrival_timeout() -> float:
     """Seconds to wait for the other ranks: ``ACCEL_CTX_ARRIVAL_TIMEOUT``, else the smaller of
     60 s and the process group's timeout."""
-    text = os.environ.get(ARRIVAL_ENV)
-    if text:
-        try:
-            seconds = float(text)
-        except ValueError:
-            seconds = math.nan
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise ConfigurationError(
-                f"{ARRIVAL_ENV}={text!r}: give a positive number of seconds to wait for every "
-                "rank to reach save_state()/load_state()/save_model()."
-            )
+    seconds = seconds_from(ARRIVAL_ENV, "to wait for every rank to reach "
+                           "save_state()/load_state()/save_model()", ConfigurationError)
+    if seconds is not None:
         return seconds
     stack = _state.current()
     if stack is not None and stack.job is not None:

@@ -5,6 +5,7 @@ Only reads ``os.environ`` (or a mapping given for tests); never writes it.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -27,22 +28,30 @@ REPLICA_TIMEOUT_VAR = "ACCEL_CTX_REPLICA_TIMEOUT"
 REPLICA_TIMEOUT_DEFAULT = 30.0
 
 
+def seconds_from(name: str, purpose: str, error: type[Exception] = LaunchEnvironmentError,
+                 env: Mapping[str, str] | None = None) -> float | None:
+    """The environment variable ``name`` as a positive, finite number of seconds; None where it
+    is unset or empty. Anything else raises ``error`` naming the variable, its value and
+    ``purpose`` (what the seconds are for)."""
+    text = (os.environ if env is None else env).get(name, "")
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise error(f"{name}={text!r}: give a positive number of seconds {purpose}.")
+    return seconds
+
+
 def replica_timeout(env: Mapping[str, str] | None = None) -> float:
     """Seconds a replica group waits for the lighthouse, a quorum, the first quorum's other
     groups, a cross-group collective or a state transfer: ``ACCEL_CTX_REPLICA_TIMEOUT``, else 30
     (more where groups start minutes apart, as on a busy scheduler)."""
-    text = (os.environ if env is None else env).get(REPLICA_TIMEOUT_VAR, "")
-    if not text:
-        return REPLICA_TIMEOUT_DEFAULT
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = float("nan")
-    if not 0 < seconds < float("inf"):
-        raise LaunchEnvironmentError(
-            f"{REPLICA_TIMEOUT_VAR}={text!r}: give a positive number of seconds (default "
-            f"{REPLICA_TIMEOUT_DEFAULT:g}) for the replica groups' quorums and transfers.")
-    return seconds
+    seconds = seconds_from(REPLICA_TIMEOUT_VAR, f"(default {REPLICA_TIMEOUT_DEFAULT:g}) for the "
+                           "replica groups' quorums and transfers", env=env)
+    return REPLICA_TIMEOUT_DEFAULT if seconds is None else seconds
 
 
 @dataclass(frozen=True)
