@@ -4,6 +4,10 @@ Every command runs with a timeout; past it the launcher gets SIGTERM (torchrun t
 workers, which run in sessions of their own) and, if that is not enough, SIGKILL, so a test can
 fail but never hang. Timeouts are scaled by tests/_timeouts.py's factor (a busy machine); the
 launched scripts get that factor in their environment.
+
+The workers fork from a server that imported torch once (tests/_zygote.py, through torchrun's
+``PYTHON_EXEC``) unless ``fresh_workers`` or ``ACCEL_CTX_TEST_FRESH_WORKERS=1`` asks for real
+interpreters, as tests/launcher/test_cli_launch.py does.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from . import _timeouts
+from . import _timeouts, _zygote
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -53,16 +57,20 @@ def alive(pid: int) -> bool:
 
 
 def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
-          prefix: tuple[str, ...] = (), drop: tuple[str, ...] = (), command: str = "launch"
-          ) -> tuple[subprocess.Popen[bytes], Path]:
+          prefix: tuple[str, ...] = (), drop: tuple[str, ...] = (), command: str = "launch",
+          fresh_workers: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
     ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit;
-    ``command`` another command of accel-ctx (``lighthouse``)."""
+    ``command`` another command of accel-ctx (``lighthouse``); ``fresh_workers``: each worker
+    a new interpreter (torchrun's own way), not a fork of tests/_zygote.py's server."""
     (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
     env = {**os.environ, **_timeouts.child_env(), "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     for var in drop:
         env.pop(var, None)
+    if not (fresh_workers or os.environ.get("ACCEL_CTX_TEST_FRESH_WORKERS") == "1"
+            or "PYTHON_EXEC" in env):
+        env["PYTHON_EXEC"] = _zygote.python_exec()
     path = tmp_path / log
     with path.open("wb") as out:
         proc = subprocess.Popen([*prefix, ACCEL_CTX, command, *args], cwd=cwd or tmp_path,

@@ -12,14 +12,24 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
-from .._launcher import SCRIPTS, alive, finish, start, stop, stop_all
+from .. import _launcher
+from .._launcher import SCRIPTS, alive, finish, stop, stop_all
 from .._spawn import free_port
 from .._timeouts import hint, scaled
 from ..workers.common import params, train
+
+
+def start(args: list[str], tmp_path: Path, log: str, **options: Any
+          ) -> tuple[subprocess.Popen[bytes], Path]:
+    """The launcher with real interpreters as workers (torchrun's own way), not forks of
+    tests/_zygote.py's server: this module is where the plain path is checked."""
+    return _launcher.start(args, tmp_path, log, fresh_workers=True, **options)
+
 
 pytestmark = pytest.mark.slow
 

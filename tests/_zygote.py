@@ -1,0 +1,309 @@
+"""Launched workers that fork from a server which imported torch once (tests only).
+
+A worker torchrun starts is a fresh interpreter: ~4 s of this machine's CPU go to importing
+torch and torch._dynamo (the optimizer's constructor loads it) before the script's first line,
+and a test that kills and restarts its ranks pays that again at each restart. tests/_launcher.py
+gives the launcher ``PYTHON_EXEC`` (torchrun's documented override of the workers' interpreter)
+pointing at this module's client: a small program that hands its arguments, environment, folder
+and standard streams to a server started once per pytest process, which forks a child that runs
+the script as ``python -u SCRIPT ARGS`` (or ``-m NAME``) would. The launcher, torchrun, the
+rendezvous, DDP/FSDP2, DCP and accel_ctx (imported afresh in each child) are the real ones.
+
+The client stands in for the worker towards torchrun: it passes on the signals it gets
+(SIGTERM, SIGINT, SIGHUP, SIGQUIT to the child's process group as torchrun's ``killpg`` would
+reach a real worker's; SIGUSR1/SIGUSR2 to the child alone, as accel-ctx's forwarding does) and
+ends as the child ended (its exit code, or killed by the same signal). A child whose client dies
+(SIGKILLed by torchrun or a test) kills itself at once. The child starts as a fresh worker
+would: its own session, the client's environment, folder, ``sys.argv``, ``sys.path[0]``,
+unbuffered streams, default signal handlers, Python's and NumPy's global RNGs seeded afresh.
+What a fork cannot give is left to the real interpreter: a request whose interpreter options or
+import-time environment (``TORCH*``, ``PYTHON*``, ``OMP_*``...) differ from the server's runs
+``python`` itself (``os.execv``), as does every request when the server cannot be reached.
+One thing no child can differ in: the string hash seed (``PYTHONHASHSEED``), the server's for
+all; the examples, the demo and tests/launcher/test_cli_launch.py run real interpreters.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from . import _spawn
+
+ROOT = Path(__file__).resolve().parent.parent
+_ALLOWED = ("TORCHELASTIC_", "TORCH_NCCL_", "OMP_NUM_THREADS", "PYTHONUNBUFFERED", "PYTHON_EXEC")
+_AT_IMPORT = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "LD_")
+_GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+_PID_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+_CLIENT = r'''
+import os, signal, socket, struct, sys, json
+REAL, PATH = {real!r}, {path!r}
+args = sys.argv[1:]
+conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    conn.connect(PATH)
+except OSError:
+    os.execv(REAL, [REAL, *args])
+request = json.dumps({{"args": args, "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [0, 1, 2])
+reader = conn.makefile("r")
+first = reader.readline().split()
+if not first or first[0] != "pid":
+    os.execv(REAL, [REAL, *args])
+child = int(first[1])
+def relay(signum, frame, group={group!r}):
+    try:
+        (os.killpg if signum in group else os.kill)(child, signum)
+    except OSError:
+        pass
+for s in {relayed!r}:
+    signal.signal(s, relay)
+last = reader.readline().split()
+if len(last) == 2 and last[0] == "signal":
+    signal.signal(int(last[1]), signal.SIG_DFL)
+    os.kill(os.getpid(), int(last[1]))
+    os.kill(os.getpid(), signal.SIGKILL)
+sys.exit(int(last[1]) if len(last) == 2 and last[0] == "exit" else 1)
+'''
+
+_server: subprocess.Popen[bytes] | None = None
+# The server's environment before its imports, and what they set (torch sets
+# TORCHINDUCTOR_CACHE_DIR): a request is compared with the first; its child gets the second too.
+_BEFORE_IMPORTS: dict[str, str] = {}
+_SET_BY_IMPORTS: dict[str, str] = {}
+_client: str | None = None
+
+
+def python_exec() -> str:
+    """The client's path for ``PYTHON_EXEC``; the server starts on first use (one per pytest
+    process) and stops when the process exits."""
+    global _server, _client
+    if _client is not None and _server is not None and _server.poll() is None:
+        return _client
+    folder = Path(tempfile.mkdtemp(prefix="accel-ctx-zygote-"))
+    path = str(folder / "socket")
+    client = folder / "python"
+    client.write_text(f"#!{sys.executable} -IS\n" + _CLIENT.format(
+        real=sys.executable, path=path, group=[int(s) for s in _GROUP_SIGNALS],
+        relayed=[int(s) for s in (*_GROUP_SIGNALS, *_PID_SIGNALS)]))
+    client.chmod(client.stat().st_mode | stat.S_IXUSR)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+           "PYTHON_EXEC": str(client)}
+    _server = subprocess.Popen(
+        [sys.executable, "-c", f"from tests._zygote import serve; serve({path!r}, {os.getpid()})"],
+        cwd=ROOT, env=env, start_new_session=True)
+    atexit.register(_server.kill)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path):
+        if _server.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the test zygote did not start (exit code {_server.poll()})")
+        time.sleep(0.05)
+    _client = str(client)
+    return _client
+
+
+def serve(path: str, owner: int) -> None:
+    """The server's loop: fork a child per request, tell each client how its child ended; end
+    when ``owner`` (the pytest process) is gone."""
+    global _BEFORE_IMPORTS, _SET_BY_IMPORTS
+    _BEFORE_IMPORTS = dict(os.environ)
+    for name in _spawn.PRELOAD:
+        importlib.import_module(name)
+    _SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if _BEFORE_IMPORTS.get(k) != v}
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path + ".new")
+    listener.listen(64)
+    os.rename(path + ".new", path)  # appears once it accepts
+    clients: dict[int, socket.socket] = {}
+    while True:
+        ready, _, _ = select.select([listener], [], [], 0.05)
+        if ready:
+            conn, _ = listener.accept()
+            _answer(conn, listener, clients)
+        while clients:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = clients.pop(pid, None)
+            if conn is not None:
+                code = os.waitstatus_to_exitcode(status)
+                word = f"signal {-code}" if code < 0 else f"exit {code}"
+                with contextlib.suppress(OSError):
+                    conn.sendall(f"{word}\n".encode())
+                conn.close()
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            os._exit(0)
+
+
+def _answer(conn: socket.socket, listener: socket.socket,
+            clients: dict[int, socket.socket]) -> None:
+    try:
+        data, fds, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        size = struct.unpack("!I", data[:4])[0]
+        while len(data) < size + 4:
+            more = conn.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the client left")
+            data += more
+        request = json.loads(data[4:size + 4])
+        target = _target(request["args"])
+    except Exception:
+        conn.close()
+        return
+    if target is None or len(fds) != 3 or _differs(request["env"]):
+        for fd in fds:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            conn.sendall(b"exec\n")
+        conn.close()
+        return
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in clients.values():
+            other.close()
+        _child(conn, fds, request, target)  # never returns
+    for fd in fds:
+        os.close(fd)
+    clients[pid] = conn
+    conn.sendall(f"pid {pid}\n".encode())
+
+
+def _target(args: list[str]) -> tuple[str, str, list[str]] | None:
+    """('file' or 'module', its name, its arguments) for ``-u SCRIPT ...`` or ``-u -m NAME ...``
+    (torchrun's two forms); None for anything else (the real interpreter runs it)."""
+    if args[:1] != ["-u"] or len(args) < 2:
+        return None
+    if args[1] == "-m":
+        return ("module", args[2], args[3:]) if len(args) > 2 else None
+    if args[1].startswith("-"):
+        return None
+    return "file", args[1], args[2:]
+
+
+def _differs(env: dict[str, str]) -> bool:
+    """Whether a variable read at import (by Python, torch, OpenMP, CUDA) differs from the
+    server's: the child would not see it."""
+    for key in set(env) | set(_BEFORE_IMPORTS):
+        if key.startswith(_AT_IMPORT) and not key.startswith(_ALLOWED) \
+                and env.get(key) != _BEFORE_IMPORTS.get(key):
+            return True
+    return False
+
+
+def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
+           target: tuple[str, str, list[str]]) -> None:
+    code = 1
+    try:
+        os.setsid()  # torchrun starts each worker in a session of its own
+        for signum in (*_GROUP_SIGNALS, *_PID_SIGNALS, signal.SIGCHLD):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for fd, std in zip(fds, (0, 1, 2), strict=True):
+            os.dup2(fd, std)
+            os.close(fd)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+        sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+        sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                      errors="backslashreplace")
+        env = request["env"]
+        cwd = request["cwd"]
+        assert isinstance(env, dict) and isinstance(cwd, str)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        for key, value in _SET_BY_IMPORTS.items():
+            os.environ.setdefault(key, value)
+        threading.Thread(target=_die_with_client, args=(conn,), daemon=True).start()
+        _fresh_state(env)
+        how, name, args = target
+        import runpy
+
+        if how == "file":
+            sys.argv = [name, *args]
+            sys.path[0] = os.path.dirname(os.path.abspath(name))
+            code = _run(lambda: runpy.run_path(name, run_name="__main__"))
+        else:
+            sys.argv = [name, *args]
+            sys.path[0] = os.getcwd()
+            code = _run(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        if code < 0:
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+
+def _fresh_state(env: dict[str, str]) -> None:
+    """What a fresh interpreter would not share with its siblings: the global RNGs' seeds."""
+    import random
+
+    random.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    if "OMP_NUM_THREADS" in env:
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+
+
+def _run(main: object) -> int:
+    """Run ``main`` as the interpreter runs a script: its exit code, threads joined, atexit run."""
+    assert callable(main)
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code is None:
+            code = 0
+        elif isinstance(exc.code, int):
+            code = exc.code
+        else:
+            print(exc.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:  # Python ends by SIGINT then: see _child
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # non-daemon threads, as at exit
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    return code
+
+
+def _die_with_client(conn: socket.socket) -> None:
+    """A child whose client is gone (SIGKILLed) goes at once, as the worker it stands for did."""
+    try:
+        while conn.recv(1 << 10):
+            pass
+    except OSError:
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
