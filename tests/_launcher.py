@@ -5,9 +5,10 @@ workers, which run in sessions of their own) and, if that is not enough, SIGKILL
 fail but never hang. Timeouts are scaled by tests/_timeouts.py's factor (a busy machine); the
 launched scripts get that factor in their environment.
 
-The workers fork from a server that imported torch once (tests/_zygote.py, through torchrun's
-``PYTHON_EXEC``) unless ``fresh_workers`` or ``ACCEL_CTX_TEST_FRESH_WORKERS=1`` asks for real
-interpreters, as tests/launcher/test_cli_launch.py does.
+The launcher and its workers fork from a server that imported torch once (tests/_zygote.py;
+the workers through torchrun's ``PYTHON_EXEC``) unless ``fresh_workers`` or
+``ACCEL_CTX_TEST_FRESH_WORKERS=1`` asks for real interpreters, as
+tests/launcher/test_cli_launch.py does.
 """
 
 from __future__ import annotations
@@ -58,22 +59,30 @@ def alive(pid: int) -> bool:
 
 def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
           prefix: tuple[str, ...] = (), drop: tuple[str, ...] = (), command: str = "launch",
-          fresh_workers: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
+          fresh_workers: bool = False, fresh_launcher: bool = False
+          ) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
     ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit;
-    ``command`` another command of accel-ctx (``lighthouse``); ``fresh_workers``: each worker
-    a new interpreter (torchrun's own way), not a fork of tests/_zygote.py's server."""
+    ``command`` another command of accel-ctx (``lighthouse``).
+
+    The launcher and its workers fork from tests/_zygote.py's server, except: with
+    ``fresh_workers`` (or a ``prefix``: its namespace holds the launcher and the workers) both
+    are new interpreters, torchrun's own way; with ``fresh_launcher`` the launcher is, so that
+    its workers are its descendants (a test that kills a node's whole process tree)."""
     (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
     env = {**os.environ, **_timeouts.child_env(), "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     for var in drop:
         env.pop(var, None)
-    if not (fresh_workers or os.environ.get("ACCEL_CTX_TEST_FRESH_WORKERS") == "1"
+    program = [*prefix, ACCEL_CTX]
+    if not (fresh_workers or prefix or os.environ.get("ACCEL_CTX_TEST_FRESH_WORKERS") == "1"
             or "PYTHON_EXEC" in env):
         env["PYTHON_EXEC"] = _zygote.python_exec()
+        if not fresh_launcher:  # the console script, run as `python -u accel-ctx ...` would
+            program = [env["PYTHON_EXEC"], "-u", ACCEL_CTX]
     path = tmp_path / log
     with path.open("wb") as out:
-        proc = subprocess.Popen([*prefix, ACCEL_CTX, command, *args], cwd=cwd or tmp_path,
+        proc = subprocess.Popen([*program, command, *args], cwd=cwd or tmp_path,
                                 env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     STARTED.append(proc)

@@ -66,7 +66,8 @@ def test_two_elastic_nodes_one_lost_for_good_the_other_goes_on_from_the_last_che
             f"keep_alive_interval=1,keep_alive_max_attempt={max(5, round(scaled(5)))}")
     nodes = [_launcher.start(["--nnodes", "1:2", "--node-rank", str(node), "--master", master,
                               "-n", "2", "--max-restarts", "3", "--rdzv-conf", conf, SCRIPT,
-                              str(ckpt), str(out), "5"], tmp_path, f"node{node}.log")
+                              str(ckpt), str(out), "5"], tmp_path, f"node{node}.log",
+                             fresh_launcher=True)  # its workers are its descendants
              for node in (0, 1)]
     deadline = time.monotonic() + scaled(180)
     while time.monotonic() < deadline and nodes[0][0].poll() is None and not list(
