@@ -43,6 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 from . import _spawn
@@ -218,9 +219,10 @@ def _target(args: list[str]) -> tuple[str, str, list[str]] | None:
 
 
 def _differs(env: dict[str, str]) -> str:
-    """The variable read at import (by Python, torch, OpenMP, CUDA) whose value differs from the
-    server's, which the child would not see, or one that makes a replica group; '' if none. What the server's imports set
-    themselves may be there with the same value (a forked launcher passes it on)."""
+    """A variable that makes a replica group, or one read at import (by Python, torch, OpenMP,
+    CUDA) whose value differs from the server's, which the child would not see; '' if none.
+    What the server's imports set themselves may be there with the same value (a forked
+    launcher passes it on)."""
     for key in _REPLICA_GROUPS:
         if key in env:
             return key
@@ -261,12 +263,11 @@ def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
         how, name, args = target
         import runpy
 
+        sys.argv = [name, *args]
         if how == "file":
-            sys.argv = [name, *args]
             sys.path[0] = os.path.dirname(os.path.abspath(name))
             code = _run(lambda: runpy.run_path(name, run_name="__main__"))
         else:
-            sys.argv = [name, *args]
             sys.path[0] = os.getcwd()
             code = _run(lambda: runpy.run_module(name, run_name="__main__", alter_sys=True))
     except BaseException:
@@ -291,9 +292,8 @@ def _fresh_state(env: dict[str, str]) -> None:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
-def _run(main: object) -> int:
+def _run(main: Callable[[], object]) -> int:
     """Run ``main`` as the interpreter runs a script: its exit code, threads joined, atexit run."""
-    assert callable(main)
     code = 0
     try:
         main()
