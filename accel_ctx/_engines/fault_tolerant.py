@@ -34,6 +34,7 @@ from .._kernel.session import OptimizerRecord, Session
 from ..errors import ConfigurationError, RendezvousError
 from . import replica_check as _check
 from . import replica_events as _events
+from . import replica_quiet as _quiet
 from .buckets import reduce_in_buckets
 
 _NO_TORCHFT = (
@@ -105,17 +106,20 @@ class ReplicaGroupRuntime(Concern):
         self.participants = 1  # this group alone until a quorum says otherwise
         self._timeout = timeout = _events.timeout()
         pg = torchft.ProcessGroupGloo(timeout=timeout)
+        _quiet.quiet_torchft(exits)
 
         def make() -> Any:
+            transport = _quiet.quiet_transport(torchft, timeout)
             try:
                 return torchft.Manager(
-                    pg=pg, load_state_dict=self.healing.load,
+                    pg=pg, checkpoint_transport=transport, load_state_dict=self.healing.load,
                     state_dict=lambda: self.healing.state(self.group),
                     min_replica_size=1, use_async_quorum=False,  # heal before the batch
                     timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                     rank=job.rank, world_size=job.world_size, lighthouse_addr=self.address,
                     replica_id=f"accel_ctx_{self.group}")
             except Exception as exc:  # the lighthouse is not there
+                transport.shutdown(wait=False)
                 raise self._unreachable(exc) from exc
 
         if job.world_size > 1 and dist.is_initialized():

@@ -58,6 +58,10 @@ def test_a_killed_group_restarts_heals_everything_from_a_peer_and_the_others_nev
             assert not set(record["samples"]) & set(theirs["samples"]), step
     assert "replica group 1 left at step" in text and "2 groups go on" in text, text[-3000:]
     assert "replica group 1 healed from replica group" in text, text[-3000:]
+    # nothing of torchft's own on a correct run: no log line per state sent, no flight-recorder
+    # line over gloo, no warning from torch's read of that state (issue 41)
+    for noise in ("Warning:", "GET /checkpoint", "flight recorder"):
+        assert noise not in text, (noise, text[-3000:])
     for run in (runs[0], runs[2]):
         for key, value in run["weights"].items():
             assert torch.equal(value, healed["weights"][key]), key
