@@ -57,12 +57,16 @@ def test_the_package_is_installed_again_only_when_pyproject_changed(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", clone / "pyproject.toml")
     venv = _environment(tmp_path / "venv")
     log = venv / "calls.log"
+    temporary = tmp_path / "tmp"  # dev's own scratch files go here, and must not stay
+    temporary.mkdir()
 
     def dev(command: str, **env: str) -> list[str]:
         run = subprocess.run([str(clone / "dev"), command], cwd=clone, capture_output=True,
                              text=True, timeout=scaled(60),
-                             env={**_without_reinstall(), "ACCEL_CTX_VENV": str(venv), **env})
+                             env={**_without_reinstall(), "ACCEL_CTX_VENV": str(venv),
+                                  "TMPDIR": str(temporary), **env})
         assert run.returncode == 0, run.stderr
+        assert not list(temporary.iterdir()), command  # CI runs dev again and again
         calls = log.read_text().splitlines()
         log.unlink()
         return calls
