@@ -1,7 +1,7 @@
 """What torchft prints on a correct replica-group run, kept off the user's terminal while a
 group's runtime is open (issue 41: a correct script prints no warning our engines cause).
 
-Three lines came with every run, none of them about the user's job:
+Four things came with every run, none of them about the user's job:
 
 - torchft's Manager logs "Unable to reset NCCL flight recorder recording" at each new quorum
   when torch has no NCCL flight recorder; the groups talk over gloo, where there is none to reset.
