@@ -83,27 +83,36 @@ def test_hugging_face_model_fine_tunes_from_a_config(tmp_path):
     assert "done: 3 steps, GPT2LMHeadModel, save_pretrained: True" in out
 
 
-def test_resumable_run_stopped_by_a_signal_carries_on_from_its_step(tmp_path):
+@pytest.fixture(scope="module")
+def resumable_runs(tmp_path_factory):
+    """resumable_train.py stopped by a signal at step 5, started again, started a third time
+    after it finished; and a run never stopped: one set of runs for the two tests below."""
+    tmp_path = tmp_path_factory.mktemp("resumable")
     stopped = subprocess.run([sys.executable, str(ROOT / "examples" / "resumable_train.py"),
                               "--out", "run", "--stop-at-step", "5"], cwd=tmp_path, env=ENV,
                              capture_output=True, text=True, timeout=scaled(180))
+    again = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
+    finished = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
+    whole = _python("resumable_train.py", "--out", "whole", cwd=tmp_path)
+    return {"stopped": stopped, "again": again, "finished": finished, "whole": whole}
+
+
+CHECKSUM = re.compile(r"weights checksum (\S+)")
+
+
+def test_resumable_run_stopped_by_a_signal_carries_on_from_its_step(resumable_runs):
+    stopped, again = resumable_runs["stopped"], resumable_runs["again"]
     assert stopped.returncode == 143, stopped.stderr[-3000:]  # 128 + SIGTERM: saved, then out
     assert not unexpected_warnings(stopped.stderr), stopped.stderr[-3000:]
-    again = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
     assert "resumed from run at step 5" in again and "done: step 24" in again, again
-    finished = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
-    checksum = re.findall(r"weights checksum (\S+)", again)
-    assert "done: step 24" in finished and re.findall(r"weights checksum (\S+)", finished) == checksum
+    finished = resumable_runs["finished"]
+    assert "done: step 24" in finished and CHECKSUM.findall(finished) == CHECKSUM.findall(again)
 
 
-def test_resumable_run_stopped_and_resumed_ends_as_one_never_stopped(tmp_path):
-    subprocess.run([sys.executable, str(ROOT / "examples" / "resumable_train.py"), "--out", "a",
-                    "--stop-at-step", "5"], cwd=tmp_path, env=ENV, capture_output=True,
-                   timeout=scaled(180))
-    resumed = _python("resumable_train.py", "--out", "a", cwd=tmp_path)
-    whole = _python("resumable_train.py", "--out", "b", cwd=tmp_path)
-    checksum = re.compile(r"weights checksum (\S+)")
-    assert checksum.findall(resumed) == checksum.findall(whole)
+def test_resumable_run_stopped_and_resumed_ends_as_one_never_stopped(resumable_runs):
+    resumed, whole = resumable_runs["again"], resumable_runs["whole"]
+    assert "resumed" not in whole and "done: step 24" in whole, whole
+    assert CHECKSUM.findall(resumed) and CHECKSUM.findall(resumed) == CHECKSUM.findall(whole)
 
 
 def test_tensor_parallel_splits_the_mlp_over_two_ranks_and_counts_each_sample_once(tmp_path):
