@@ -59,8 +59,8 @@ def alive(pid: int) -> bool:
 
 def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
           prefix: tuple[str, ...] = (), drop: tuple[str, ...] = (), command: str = "launch",
-          fresh_workers: bool = False, fresh_launcher: bool = False
-          ) -> tuple[subprocess.Popen[bytes], Path]:
+          fresh_workers: bool = False, fresh_launcher: bool = False,
+          fork_replica_workers: bool = False) -> tuple[subprocess.Popen[bytes], Path]:
     """Start ``accel-ctx launch ARGS`` (behind ``prefix``, e.g. `ip netns exec NS`), output to
     ``tmp_path/log``; ``drop`` names environment variables the launcher must not inherit;
     ``command`` another command of accel-ctx (``lighthouse``).
@@ -68,12 +68,15 @@ def start(args: list[str], tmp_path: Path, log: str, cwd: Path | None = None,
     The launcher and its workers fork from tests/_zygote.py's server, except: with
     ``fresh_workers`` (or a ``prefix``: its namespace holds the launcher and the workers) both
     are new interpreters, torchrun's own way; with ``fresh_launcher`` the launcher is, so that
-    its workers are its descendants (a test that kills a node's whole process tree)."""
+    its workers are its descendants (a test that kills a node's whole process tree); with
+    ``fork_replica_workers`` replica-group workers fork too (they restart within a second)."""
     (tmp_path / ".git").mkdir(exist_ok=True)  # a project root: no config file from above
     env = {**os.environ, **_timeouts.child_env(), "PYTHONPATH": str(ROOT),
            "OMP_NUM_THREADS": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
     for var in drop:
         env.pop(var, None)
+    if fork_replica_workers:
+        env[_zygote.FORK_REPLICA_WORKERS] = "1"
     program = [*prefix, ACCEL_CTX]
     if not (fresh_workers or prefix or os.environ.get("ACCEL_CTX_TEST_FRESH_WORKERS") == "1"
             or "PYTHON_EXEC" in env):

@@ -49,12 +49,14 @@ from pathlib import Path
 from . import _spawn
 
 ROOT = Path(__file__).resolve().parent.parent
-# Replica-group workers (these variables set) run real interpreters. Forked, their restarts came
-# seconds sooner, and in one suite run a group that had just healed from a peer met a mismatched
-# cross-group collective (gloo: "Received data size doesn't match expected size", the rank
-# aborted); in another a group stopped by a ConfigurationError aborted at exit ("terminate
-# called without an active exception"). Neither is explained yet.
+# Replica-group workers (these variables set) run real interpreters, unless the request's
+# environment sets FORK_REPLICA_WORKERS. Forked, a killed group restarts within a second, before
+# the lighthouse drops it: that showed a fault of accel_ctx's (the others did not check the new
+# group again and sent it their gradients: a mismatched collective, gloo aborted), fixed, and the
+# test of it forks on purpose; the others keep the timing a real interpreter gives, the one
+# their assertions (the group seen leaving, then back) are written for.
 _REPLICA_GROUPS = ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS")
+FORK_REPLICA_WORKERS = "ACCEL_CTX_TEST_FORK_REPLICA_WORKERS"
 # Read when used, not at import.
 _ALLOWED = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
             "PYTHON_EXEC")
@@ -223,11 +225,12 @@ def _differs(env: dict[str, str]) -> str:
     CUDA) whose value differs from the server's, which the child would not see; '' if none.
     What the server's imports set themselves may be there with the same value (a forked
     launcher passes it on)."""
+    forked_groups = env.get(FORK_REPLICA_WORKERS) == "1"
     for key in _REPLICA_GROUPS:
-        if key in env:
+        if key in env and not forked_groups:
             return key
     for key in set(env) | set(_BEFORE_IMPORTS):
-        if not key.startswith(_AT_IMPORT) or key.startswith(_ALLOWED):
+        if not key.startswith(_AT_IMPORT) or key.startswith(_ALLOWED) or key in _REPLICA_GROUPS:
             continue
         if env.get(key) != _BEFORE_IMPORTS.get(key) and not (
                 key in _SET_BY_IMPORTS and env.get(key) == _SET_BY_IMPORTS[key]):

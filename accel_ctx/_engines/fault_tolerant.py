@@ -101,6 +101,11 @@ class ReplicaGroupRuntime(Concern):
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
         self._members: frozenset[int] = frozenset()
         self._checked: frozenset[int] = frozenset()  # the members whose script and model match
+        # the same by replica id: a group restarted before the others saw it leave keeps its
+        # index but comes back as a new Manager (a new id), and every group must check it again
+        # (it checks; the others must meet its check, not send their gradients into it)
+        self._member_ids: frozenset[str] = frozenset()
+        self._checked_ids: frozenset[str] = frozenset()
         self._failure: str | None = None  # why the last step was not committed
         self._gathering = False  # the first quorum waits for every group
         self.participants = 1  # this group alone until a quorum says otherwise
@@ -180,7 +185,9 @@ class ReplicaGroupRuntime(Concern):
         quorum = self._client.last
         self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
+        self._member_ids = frozenset(quorum.replica_ids) if quorum else frozenset()
         self._checked &= self._members  # one that left and comes back is checked again
+        self._checked_ids &= self._member_ids
         self.participants = len(self._members)  # the groups in the step under way
         if not previous or self._gathering:
             return
@@ -282,6 +289,7 @@ class ReplicaGroupRuntime(Concern):
             self._failure = _check.message(wrong[0], rows, self._members).split(":")[0]
             self.manager.report_error(ConfigurationError(self._failure))
         self._checked = self._members - set(wrong)
+        self._checked_ids = frozenset(r for r in self._member_ids if _group_of(r) not in wrong)
 
     # ---- state() ---------------------------------------------------------------------------------
     @override
@@ -312,7 +320,7 @@ class ReplicaGroupRuntime(Concern):
         """The quorum (if none is open), the groups' check when it changed, ``tensors``
         averaged over the groups in it (one all-reduce per device and dtype), the vote."""
         self._quorum()
-        if not self._members <= self._checked:
+        if not (self._members <= self._checked and self._member_ids <= self._checked_ids):
             self._check_same()
         reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
         return self._vote(what, outcome)

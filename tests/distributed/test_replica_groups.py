@@ -65,3 +65,27 @@ def test_a_killed_group_restarts_heals_everything_from_a_peer_and_the_others_nev
     for run in (runs[0], runs[2]):
         for key, value in run["weights"].items():
             assert torch.equal(value, healed["weights"][key]), key
+
+
+def test_a_group_restarted_before_the_others_saw_it_leave_is_checked_again_and_heals(
+        tmp_path: Path) -> None:
+    # Forked from tests/_zygote.py, the killed worker is back within a second: inside the
+    # lighthouse's heartbeat window, so the quorum still holds group 1, now a new Manager. The
+    # new group checked the others' script and model (an all-reduce of its fingerprint) while
+    # they, having checked group 1 before, sent their gradients: a mismatched collective
+    # ("Received data size doesn't match expected size"), group 1 aborted at every restart.
+    script = str(_launcher.SCRIPTS / "replica_groups_train.py")
+    proc, log = _launcher.start(
+        ["-n", "1", "--replica-groups", "3", "--max-restarts", "3", script, str(tmp_path), "12",
+         "3", "1", "5"], tmp_path, "launch.log", fork_replica_workers=True)
+    code = _launcher.finish(proc, 300)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "doesn't match expected size" not in text and "SIGABRT" not in text, text[-3000:]
+    runs = [torch.load(tmp_path / f"group{g}-rank0.pt") for g in range(3)]
+    assert [r["restart"] for r in runs] == [0, 1, 0], text[-3000:]  # restarted once, healed
+    assert runs[1]["seen"][0]["step"] > 5, text[-3000:]
+    assert "replica group 1 healed from replica group" in text, text[-3000:]
+    for run in (runs[0], runs[2]):
+        for key, value in run["weights"].items():
+            assert torch.equal(value, runs[1]["weights"][key]), key
