@@ -19,6 +19,7 @@ warning from that torch module) and only while the runtime is open; errors still
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
 from contextlib import ExitStack
 from datetime import timedelta
@@ -33,17 +34,37 @@ def _no_flight_recorder_line(record: logging.LogRecord) -> bool:
     return _FLIGHT_RECORDER not in record.getMessage()
 
 
+_lock = threading.Lock()
+_open_runtimes = 0  # the filters are shared: the last runtime to close removes them
+_removals: list[Any] = []
+
+
 def quiet_torchft(exits: ExitStack) -> None:
     """Drop torchft's flight-recorder line, torch's read-only-buffer warning and the
-    Manager's ``Logger.warn`` deprecation until ``exits`` closes."""
-    manager_log = logging.getLogger("torchft.manager")
-    manager_log.addFilter(_no_flight_recorder_line)
-    exits.callback(manager_log.removeFilter, _no_flight_recorder_line)
-    _ignore(exits, _READ_ONLY_BUFFER, UserWarning, r"torch\.distributed\._serialization")
-    _ignore(exits, _DEPRECATED_WARN, DeprecationWarning, r"torchft\.manager")
+    Manager's ``Logger.warn`` deprecation until ``exits`` closes (or, where several replica
+    runtimes are open in one process, until the last of them closes)."""
+    global _open_runtimes
+    with _lock:
+        _open_runtimes += 1
+        if _open_runtimes == 1:
+            manager_log = logging.getLogger("torchft.manager")
+            manager_log.addFilter(_no_flight_recorder_line)
+            _removals.append(lambda: manager_log.removeFilter(_no_flight_recorder_line))
+            _ignore(_READ_ONLY_BUFFER, UserWarning, r"torch\.distributed\._serialization")
+            _ignore(_DEPRECATED_WARN, DeprecationWarning, r"torchft\.manager")
+    exits.callback(_close)
 
 
-def _ignore(exits: ExitStack, message: str, category: type[Warning], module: str) -> None:
+def _close() -> None:
+    global _open_runtimes
+    with _lock:
+        _open_runtimes -= 1
+        if _open_runtimes == 0:
+            while _removals:
+                _removals.pop()()
+
+
+def _ignore(message: str, category: type[Warning], module: str) -> None:
     warnings.filterwarnings("ignore", message=message, category=category, module=module)
     entry = warnings.filters[0]  # filterwarnings puts it first
 
@@ -52,7 +73,7 @@ def _ignore(exits: ExitStack, message: str, category: type[Warning], module: str
         if entry in filters:  # a user's warnings.resetwarnings() may have gone first
             filters.remove(entry)
 
-    exits.callback(remove)
+    _removals.append(remove)
 
 
 def quiet_transport(torchft: Any, timeout: timedelta) -> Any:

@@ -55,6 +55,22 @@ def test_torchfts_noise_is_dropped_while_open_and_nothing_is_left_after() -> Non
     assert _logged(manager_log, line)
 
 
+def test_two_runtimes_open_at_once_keep_the_noise_off_until_the_last_one_closes() -> None:
+    filters_before = list(warnings.filters)
+    manager_log = logging.getLogger("torchft.manager")
+    line = "[accel_ctx_1:abc/0 - step 2] Unable to reset NCCL flight recorder recording so ..."
+    first, second = ExitStack(), ExitStack()
+    replica_quiet.quiet_torchft(first)
+    replica_quiet.quiet_torchft(second)
+    first.close()  # the other runtime is still open: its noise is still dropped
+    assert not _shown(BUFFER, UserWarning, "torch.distributed._serialization")
+    assert not _logged(manager_log, line)
+    second.close()
+    assert warnings.filters == filters_before
+    assert _shown(BUFFER, UserWarning, "torch.distributed._serialization")
+    assert _logged(manager_log, line)
+
+
 def test_the_transport_answers_without_a_line_per_request_and_still_logs_errors() -> None:
     torchft = pytest.importorskip("torchft", reason="replica groups need torchft")
     transport = replica_quiet.quiet_transport(torchft, timedelta(seconds=5))
