@@ -100,10 +100,10 @@ class ReplicaGroupRuntime(Concern):
         self._open = False  # a quorum was formed for the step under way
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
         self._members: frozenset[int] = frozenset()
-        self._checked: frozenset[int] = frozenset()  # the members whose script and model match
-        # the same by replica id: a group restarted before the others saw it leave keeps its
-        # index but comes back as a new Manager (a new id), and every group must check it again
-        # (it checks; the others must meet its check, not send their gradients into it)
+        # the members whose script and model match, by torchft's replica id (not group index):
+        # a group restarted before the others saw it leave keeps its index but comes back as a
+        # new Manager (a new id), and every group must check it again (it checks; the others
+        # must meet its check, not send their gradients into it)
         self._member_ids: frozenset[str] = frozenset()
         self._checked_ids: frozenset[str] = frozenset()
         self._failure: str | None = None  # why the last step was not committed
@@ -186,8 +186,7 @@ class ReplicaGroupRuntime(Concern):
         self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
         self._member_ids = frozenset(quorum.replica_ids) if quorum else frozenset()
-        self._checked &= self._members  # one that left and comes back is checked again
-        self._checked_ids &= self._member_ids
+        self._checked_ids &= self._member_ids  # one that left and comes back is checked again
         self.participants = len(self._members)  # the groups in the step under way
         if not previous or self._gathering:
             return
@@ -288,7 +287,6 @@ class ReplicaGroupRuntime(Concern):
             # not mixed with a gradient of another shape: this step is dropped in every group
             self._failure = _check.message(wrong[0], rows, self._members).split(":")[0]
             self.manager.report_error(ConfigurationError(self._failure))
-        self._checked = self._members - set(wrong)
         self._checked_ids = frozenset(r for r in self._member_ids if _group_of(r) not in wrong)
 
     # ---- state() ---------------------------------------------------------------------------------
@@ -320,7 +318,7 @@ class ReplicaGroupRuntime(Concern):
         """The quorum (if none is open), the groups' check when it changed, ``tensors``
         averaged over the groups in it (one all-reduce per device and dtype), the vote."""
         self._quorum()
-        if not (self._members <= self._checked and self._member_ids <= self._checked_ids):
+        if not self._member_ids <= self._checked_ids:
             self._check_same()
         reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
         return self._vote(what, outcome)
