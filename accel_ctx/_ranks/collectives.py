@@ -248,12 +248,14 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
     """Pad each tensor along ``dim`` to the largest size any rank has, so collectives fit.
 
     Fills with ``pad_index`` at the end (``pad_first=True``: at the start, e.g. left-padded
-    token ids). Tensors already of the largest size, or without dimension ``dim``, are returned
-    as they are; other leaves (None, numbers, strings) too. Everything but the size along
-    ``dim`` must agree across ranks (structure, dtypes, other sizes): otherwise every rank
-    raises :class:`DistributedError` naming each rank's shapes, found in the one small
-    all_gather of sizes the call makes anyway. In a single process the input itself is
-    returned.
+    token ids). Tensors already of the largest size, or without dimension ``dim`` (a 0-dim
+    loss), are returned as they are; other leaves (None, numbers, strings) too. Only the size
+    along ``dim`` changes; other sizes may differ between ranks (as Accelerate's: a last
+    batch of 1 sequence on one rank and of 3 on another, padded along ``dim=1``). The
+    structure, each tensor's dtype and number of dimensions must agree across ranks:
+    otherwise every rank raises :class:`DistributedError` naming each rank's shapes, found in
+    the one small all_gather of sizes the call makes anyway. In a single process the input
+    itself is returned.
 
     Examples:
         >>> import torch
@@ -271,8 +273,9 @@ def pad_across_processes(tensors: T, dim: int = 0, pad_index: Any = 0,
     if job is None:
         return tensors
     call = f"pad_across_processes(dim={dim})"
-    d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(job))
-    _debug.check(job, call, d.tensors, free_dim=dim)
+    d = describe(tensors, call, free_dim=dim, batches=False, travel=travel_type(job),
+                 sizes_free=True)
+    _debug.check(job, call, d.tensors, compare_shapes=False)
     lengths = exchange(job, d, call, 0, meta_device(job), _ADVICE).free
     padded = iter([
         t if lengths[job.rank][i] < 0

@@ -51,9 +51,13 @@ class Described:
     """One rank's input, described: what must agree across ranks, and what may differ."""
 
     def __init__(self, free_dim: int | None, batches: bool, numbers: bool,
-                 travel: Callable[[torch.Tensor], str], name: str = "") -> None:
+                 travel: Callable[[torch.Tensor], str], name: str = "",
+                 sizes_free: bool = False) -> None:
         self.name = name  # the call as error messages head it: "gather()", "broadcast()"
         self.free_dim = free_dim  # None: every dimension must agree (reduce)
+        # every size may differ, only the number of dimensions must agree (pad_across_processes
+        # pads one dimension; a last batch shorter on one rank differs in another)
+        self.sizes_free = sizes_free
         self.batches = batches  # lists holding no tensor are batches of per-sample objects
         self.numbers = numbers  # Python numbers become 0-dim tensors (reduce)
         self.travel = travel  # the device type a tensor travels on
@@ -124,7 +128,7 @@ class Described:
         free = self.free_dim
         if free is None:
             self.free.append(-1)
-        elif free == 0 and t.dim() == 0:  # gather: a 0-dim tensor is one row
+        elif free == 0 and t.dim() == 0 and not self.sizes_free:  # gather: one row
             self.free.append(1)
         elif -t.dim() <= free < t.dim():
             d = free % t.dim()
@@ -132,6 +136,8 @@ class Described:
             shape[d] = -1  # free: may differ between ranks
         else:
             self.free.append(-1)
+        if self.sizes_free:
+            shape = [-1] * len(shape)
         dtype = str(t.dtype).removeprefix("torch.")
         where = "" if t.device.type == "cpu" else f" on {t.device}"
         what = f"a Python {kind}" if kind != "tensor" else f"{tuple(t.shape)} {dtype}{where}"
@@ -142,10 +148,12 @@ class Described:
 
 
 def describe(obj: Any, call: str, *, free_dim: int | None, batches: bool,
-             numbers: bool = False, travel: Callable[[torch.Tensor], str]) -> Described:
+             numbers: bool = False, travel: Callable[[torch.Tensor], str],
+             sizes_free: bool = False) -> Described:
     """Walk ``obj`` once: its tensors, their free sizes, its signature and its skeleton."""
     described = of_call(call, free_dim=free_dim, batches=batches, numbers=numbers,
                         travel=travel)
+    described.sizes_free = sizes_free
     described.skeleton = described.walk(obj, "")
     return described
 

@@ -24,7 +24,7 @@ GATHER_CASES = {
     "gather_empty": ["rank 0 has (2, 3) float32", "has (0,) float32"],
     "gather_none": ["at ['x'], rank 0 has (1,) float32", "has None"],
     "gather_many": ["at [66], rank 0 has (1, 2) float32", "has (1, 5) float32"],
-    "pad_shape": ["rank 0 has (2, 1) float32", "has (3, "],
+    "pad_shape": ["rank 0 has (2, 1) float32", "has (2, "],
     "metrics_keys": ["rank 0 has a dict with keys ['a']", "has a dict with keys ['b']"],
     "metrics_shape": ["rank 0 has (2, 3) float32", "has (2, 2) float32"],
 }
@@ -144,6 +144,11 @@ def test_gather_gathers_python_data_like_tensors(matched):
         assert len(m["pad_many"]) == 65 and all(
             p.tolist() == [[1.0] * (rank + 1) + [0.0] * (world - rank - 1)]
             for p in m["pad_many"])
+        # only dim 1 is padded: each rank's own number of rows stays
+        assert m["pad_last_batch"].tolist() == [
+            [rank] * (rank + 1) + [-1] * (world - rank - 1)] * (1 if rank == 0 else 3)
+        assert m["pad_scalar"]["ids"].tolist() == list(range(rank + 1)) + [0] * (world - rank - 1)
+        assert m["pad_scalar"]["loss"].shape == () and m["pad_scalar"]["loss"].item() == 0.5 * rank
         assert m["metrics_value"]["error"] == "ConfigurationError"
         assert "gather() / gather_object()" in m["metrics_value"]["message"]
 

@@ -55,8 +55,8 @@ def mismatches() -> dict[str, Any]:
         if last:
             many[66] = torch.ones(1, 5)
         check("gather_many", lambda: gather(many))
-        check("pad_shape", lambda: pad_across_processes(torch.ones(3 if last else 2, rank + 1),
-                                                        dim=1))
+        check("pad_shape", lambda: pad_across_processes(
+            torch.ones(2, rank + 1, 1) if last else torch.ones(2, rank + 1), dim=1))
         check("reduce_shape", lambda: reduce(torch.ones(3, 2) if last else torch.ones(2, 3)))
         check("reduce_numel", lambda: reduce(torch.arange(8.0 if last else 6.0)))
         check("reduce_big", lambda: reduce(torch.ones(100_000 if last else 10)))
@@ -94,6 +94,11 @@ def matching() -> dict[str, Any]:
             "zero_rows": lambda: gather(torch.ones(0 if rank == 0 else rank, 3)),
             "many": lambda: gather([torch.full((rank + 1,), float(i)) for i in range(70)]),
             "pad_many": lambda: pad_across_processes([torch.ones(1, rank + 1)] * 65, dim=1),
+            # an evaluation's last round: a shorter batch on rank 0 (Accelerate pads it too)
+            "pad_last_batch": lambda: pad_across_processes(
+                torch.full((1 if rank == 0 else 3, rank + 1), rank), dim=1, pad_index=-1),
+            "pad_scalar": lambda: pad_across_processes(
+                {"ids": torch.arange(rank + 1), "loss": torch.tensor(0.5 * rank)}),
             "reduce_numbers": lambda: reduce({"correct": rank + 5, "total": 10,
                                               "ok": rank == 0, "loss": 0.25 * rank}),
             "reduce_numbers_mean": lambda: reduce([rank, 2.0], "mean"),
