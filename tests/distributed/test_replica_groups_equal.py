@@ -26,7 +26,8 @@ def _runs(tmp_path: Path, mode: str = "distributed", **launches: list[str]
         out.mkdir()
         groups = launch[launch.index("--replica-groups") + 1] if "--replica-groups" in launch else "1"
         started[name] = (out, *_launcher.start([*launch, script, str(out), "8", groups, "-1", "0",
-                                                mode], tmp_path, f"{name}.log"))
+                                                mode], tmp_path, f"{name}.log",
+                                               fork_replica_workers=True))
     for _, proc, log in started.values():
         assert _launcher.finish(proc, 300) == 0, log.read_text(errors="replace")[-3000:]
     return {name: torch.load(out / "group0-rank0.pt") for name, (out, _, _) in started.items()}
