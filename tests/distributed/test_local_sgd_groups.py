@@ -82,7 +82,7 @@ def test_local_sgd_and_diloco_over_two_groups_equal_the_algorithms_by_hand(
     out.mkdir()
     script = str(_launcher.SCRIPTS / "local_sgd_groups.py")
     proc, log = _launcher.start(["-n", "1", "--replica-groups", "2", script, str(out)],
-                                tmp_path, "groups.log")
+                                tmp_path, "groups.log", fork_replica_workers=True)
     code = _launcher.finish(proc, 300)
     assert code == 0, log.read_text(errors="replace")[-3000:]
     groups = [torch.load(out / f"group{g}-rank0.pt") for g in (0, 1)]
