@@ -40,7 +40,8 @@ def _group(tmp_path: Path, address: str, group: int, script: Path, width: int = 
            groups: int = 2, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path]:
     return _launcher.start(["-n", "1", *extra, "--lighthouse", address, "--replica-groups",
                             str(groups), "--replica-group", str(group), str(script),
-                            str(tmp_path), str(STEPS), str(width)], tmp_path, f"group{group}.log")
+                            str(tmp_path), str(STEPS), str(width)], tmp_path, f"group{group}.log",
+                           fork_replica_workers=True)
 
 
 def _stop_lighthouse(proc: subprocess.Popen[bytes], log: Path) -> None:
