@@ -23,7 +23,7 @@ def _start(tmp_path: Path, name: str, kill_at: int, place: str, restarts: int = 
     script = str(_launcher.SCRIPTS / "replica_groups_resume.py")
     proc, log = _launcher.start(
         ["-n", "1", "--replica-groups", "2", "--max-restarts", str(restarts), script, str(out), "10",
-         str(kill_at), place, *only], tmp_path, f"{name}.log")
+         str(kill_at), place, *only], tmp_path, f"{name}.log", fork_replica_workers=True)
     return proc, log, out
 
 
