@@ -152,18 +152,17 @@ def describe(obj: Any, call: str, *, free_dim: int | None, batches: bool,
              sizes_free: bool = False) -> Described:
     """Walk ``obj`` once: its tensors, their free sizes, its signature and its skeleton."""
     described = of_call(call, free_dim=free_dim, batches=batches, numbers=numbers,
-                        travel=travel)
-    described.sizes_free = sizes_free
+                        travel=travel, sizes_free=sizes_free)
     described.skeleton = described.walk(obj, "")
     return described
 
 
 def of_call(call: str, name: str = "", *, free_dim: int | None = None, batches: bool = False,
             numbers: bool = False, travel: Callable[[torch.Tensor], str] = lambda t: "",
-            ) -> Described:
+            sizes_free: bool = False) -> Described:
     """The description of a call alone (``call``: the function and the arguments that must
     agree); ``name`` heads its error messages (default: ``call``)."""
-    described = Described(free_dim, batches, numbers, travel, name or call)
+    described = Described(free_dim, batches, numbers, travel, name or call, sizes_free)
     described.signature.append(call)  # a rank in another call differs here
     described.summary.append(("the call", call))
     return described
