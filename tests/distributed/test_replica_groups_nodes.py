@@ -47,13 +47,11 @@ def test_a_group_started_later_joins_the_live_job_at_its_step_through_a_lighthou
         r"listening at (http://\S+?);", lighthouse_log.read_text()), 60, [lighthouse_log])[1]
     group = ["-n", "1", "--lighthouse", address, "--replica-groups", "2", "--replica-group"]
     first, first_log = _launcher.start([*group, "0", SCRIPT, str(tmp_path), "12", "2"],
-                                       tmp_path, "group0.log",
-                                       fork_replica_workers=True)
+                                       tmp_path, "group0.log", fork_replica_workers=True)
     logs = [lighthouse_log, first_log]
     _wait_for("step 3 of group 0", lambda: _step(tmp_path / "progress0") >= 3, 240, logs)
     second, second_log = _launcher.start([*group, "1", SCRIPT, str(tmp_path), "12", "2"],
-                                         tmp_path, "group1.log",
-                                       fork_replica_workers=True)
+                                         tmp_path, "group1.log", fork_replica_workers=True)
     logs.append(second_log)
     codes = [_launcher.finish(first, 400), _launcher.finish(second, 400)]
     text = "\n".join(log.read_text(errors="replace")[-3000:] for log in logs)
