@@ -20,6 +20,7 @@ building the epoch drew from it: where the same script under torchrun + DDP leav
 from __future__ import annotations
 
 import contextlib
+import functools
 import numbers
 import struct
 import types
@@ -31,10 +32,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..errors import DistributedError
 from .shard import EMPTY
+from .torch_private import stock_iterator
 
 try:  # deprecated in torch; its iterator runs collectives of its own while it is built
     from torch.utils.data import IterDataPipe as _IterDataPipe
@@ -42,6 +44,7 @@ except ImportError:  # pragma: no cover - removed in a later torch
     _IterDataPipe = ()  # type: ignore[assignment,misc]
 
 T = TypeVar("T")
+_ONE_SAMPLE = TensorDataset(torch.zeros(1))
 _WALK_BUDGET = 2000  # objects looked at when searching a sampler for its generators
 _SKIP = (str, bytes, numbers.Number, torch.Tensor, type, types.ModuleType, types.FunctionType,
          types.MethodType, types.BuiltinFunctionType, nn.Module, DataLoader)
@@ -133,20 +136,63 @@ def advanced(state: torch.Tensor, words: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def own_global_stream(borrowed: torch.Tensor) -> Iterator[None]:
+def own_global_stream(
+    borrowed: torch.Tensor, loader: DataLoader[Any] | None = None
+) -> Iterator[None]:
     """Draw from rank 0's global state ``borrowed`` inside, then go back to this rank's own
     state, moved on by as many words as the block drew (what the same code would have drawn
-    from it)."""
+    from it).
+
+    ``loader``'s iterator, built inside, draws its worker processes' base seed from this rank's
+    own state, as under torchrun + DDP: that seed decides no order, and workers seeded from
+    rank 0's state would give every rank rank 0's augmentations.
+    """
     own = torch.get_rng_state()
+    # Ranks seeded alike (the common case): the block draws from this rank's own state, and
+    # leaves it where the same code would have, however it draws (a reseed included).
+    alike = torch.equal(own, borrowed)
     torch.set_rng_state(borrowed)
+    try:
+        if alike or loader is None or not _draws_worker_seed_globally(loader):
+            yield
+        else:
+            with _worker_seed_from(loader, own):
+                yield
+    finally:
+        after = torch.get_rng_state()
+        if not alike:
+            _own_moved_on(own, borrowed, after)
+
+
+def _draws_worker_seed_globally(loader: DataLoader[Any]) -> bool:
+    """``loader`` starts worker processes, seeding them from torch's global generator."""
+    return (loader.num_workers > 0 and loader.generator is None
+            and not isinstance(loader.dataset, _IterDataPipe))  # that seed is shared by design
+
+
+@contextlib.contextmanager
+def _worker_seed_from(loader: DataLoader[Any], own: torch.Tensor) -> Iterator[None]:
+    """While the iterator is built, ``loader.generator`` (which its base seed is drawn from,
+    and nothing else) is a generator at this rank's ``own`` state. The global stream, rank 0's,
+    skips the words rank 0's base seed took, so the order is drawn from where rank 0 drew it."""
+    torch.rand(_base_seed_words())
+    stream = torch.Generator()
+    stream.set_state(own)
+    loader.generator = stream
     try:
         yield
     finally:
-        after = torch.get_rng_state()
-        # Ranks seeded alike (the common case): the block drew from this rank's own state, and
-        # left it where the same code would have, however it drew (a reseed included).
-        if not torch.equal(own, borrowed):
-            _own_moved_on(own, borrowed, after)
+        loader.generator = None
+
+
+@functools.cache
+def _base_seed_words() -> int:
+    """32-bit words a DataLoader iterator draws for its workers' base seed (measured once)."""
+    probe = torch.Generator()
+    probe.manual_seed(0)
+    before = probe.get_state()
+    stock_iterator(DataLoader(_ONE_SAMPLE, generator=probe))
+    return words_drawn(before, probe.get_state()) or 0
 
 
 def _own_moved_on(own: torch.Tensor, borrowed: torch.Tensor, after: torch.Tensor) -> None:
@@ -198,7 +244,7 @@ def shared_start(
     received = buffer.cpu()
     states = [s.clone() for s in torch.split(received[16:], sizes)]
     _set_states(generators, states[1:])
-    with own_global_stream(states[0]):
+    with own_global_stream(states[0], loader):
         it = build()
         mine = fingerprint(first(it))
     expected = int(received[8:16].view(torch.int64).item())

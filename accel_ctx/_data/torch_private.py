@@ -1,9 +1,11 @@
-"""The two places where accel_ctx reaches into a DataLoader's private parts, each behind one name.
+"""The three places where accel_ctx reaches into a DataLoader's private parts, each behind one
+name.
 
-Checked on torch 2.11 and 2.13 (``torch/utils/data/dataloader.py``): a DataLoader's iterator
-reads the indices it fetches through the loader's ``_index_sampler`` property (the batch sampler,
-or the sampler when batching is off) when it is built, and keeps the iterator it took from it in
-``_sampler_iter``. A torch that renames either makes these fail loudly, not silently.
+Checked on torch 2.11, 2.13 and 2.14 (``torch/utils/data/dataloader.py``): a DataLoader's
+iterator reads the indices it fetches through the loader's ``_index_sampler`` property (the batch
+sampler, or the sampler when batching is off) when it is built, and keeps the iterator it took
+from it in ``_sampler_iter``; ``_get_iterator`` builds that iterator (what ``__iter__`` returns
+without persistent workers). A torch that renames any makes these fail loudly, not silently.
 """
 
 from __future__ import annotations
@@ -33,3 +35,8 @@ def index_sampler_property(view_of: Callable[[Any], Any | None]) -> property:
 def sampler_iterator(stock_iterator: Any) -> Any:
     """The index iterator a DataLoader iterator took from its index sampler, if it has one."""
     return getattr(stock_iterator, "_sampler_iter", None)
+
+
+def stock_iterator(loader: DataLoader[Any]) -> Any:
+    """The iterator torch builds for ``loader``, past any patch of ``DataLoader.__iter__``."""
+    return loader._get_iterator()

@@ -96,6 +96,18 @@ def test_generators_the_sampler_holds_are_shared_by_the_ranks(ranks):
         _same_as_one_process([p[kind] for p in parts], expected)
 
 
+def test_loader_workers_take_their_seed_from_their_own_ranks_stream(ranks):
+    """Seeded apart, each rank's workers get the base seed that rank draws alone (as under
+    torchrun + DDP), not rank 0's, while the order still comes from rank 0's state."""
+    _, results = ranks
+    parts = _section(results, "generators")
+    for rank, part in enumerate(parts):
+        assert part["worker_seeds"] == part["worker_seeds_alone"], rank
+    seeds = [part["worker_seeds"]["seeds"] for part in parts]
+    assert all(len(set(epoch)) == 2 for rank_seeds in seeds for epoch in rank_seeds)  # 2 workers
+    assert len({repr(s) for s in seeds}) == len(seeds)  # no two ranks share their workers' seeds
+
+
 @pytest.mark.parametrize("kind", ["python_random", "numpy", "stream"])
 def test_a_sampler_drawing_from_an_unreachable_rng_is_refused(ranks, kind):
     _, results = ranks

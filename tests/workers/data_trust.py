@@ -20,10 +20,12 @@ from torch.distributed.algorithms.join import Join
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
+    Dataset,
     IterableDataset,
     RandomSampler,
     Sampler,
     WeightedRandomSampler,
+    get_worker_info,
 )
 
 from accel_ctx import (
@@ -231,10 +233,36 @@ def generator_sections(rank: int, batch: int, n: int) -> dict[str, Any]:
     return out
 
 
+class WorkerSeeds(Dataset[tuple[int, int]]):
+    """Each sample: its id and the seed of the loader worker that loaded it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        info = get_worker_info()
+        return i, info.seed if info is not None else -1
+
+
+def worker_seeds(batch: int, n: int) -> dict[str, Any]:
+    """A shuffled loader with two workers, the rank seeded apart: per epoch, the seeds of the
+    workers that loaded this rank's batches; then the next numbers of the global stream."""
+    torch.manual_seed(1000 + int(os.environ["RANK"]))
+    loader = DataLoader(WorkerSeeds(n), batch_size=batch, shuffle=True, num_workers=2)
+    seeds = [sorted({int(s) for _, batch_seeds in loader for s in batch_seeds}) for _ in range(2)]
+    return {"seeds": seeds, "next": torch.rand(3).tolist()}
+
+
 def generators(batch: int, n: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    # the same script in one process: where DDP leaves each rank's own stream
+    out["worker_seeds_alone"] = worker_seeds(batch, n)
     with distributed(timeout=scaled(TIMEOUT)):
         out["loaders"] = generator_sections(state().rank, batch, n)
+        out["worker_seeds"] = worker_seeds(batch, n)
     out["python_random"] = _unreachable(
         lambda: DataLoader(LoggingDataset(n), batch_sampler=PythonRandomBatches(n, batch)))
     out["numpy"] = _unreachable(
