@@ -175,11 +175,15 @@ def _worker_seed_from(loader: DataLoader[Any], own: torch.Tensor) -> Iterator[No
     """While the iterator is built, ``loader.generator`` (which its base seed is drawn from,
     and nothing else) is a generator at this rank's ``own`` state. The global stream, rank 0's,
     skips the words rank 0's base seed took, so the order is drawn from where rank 0 drew it."""
-    torch.rand(_base_seed_words())
     stream = torch.Generator()
     stream.set_state(own)
-    loader.generator = stream
     try:
+        loader.generator = stream
+    except (AttributeError, TypeError):  # a subclass's read-only generator: rank 0's, as before
+        yield
+        return
+    try:
+        torch.rand(_base_seed_words())
         yield
     finally:
         loader.generator = None
