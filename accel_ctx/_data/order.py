@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from ..errors import DistributedError
 from .shard import EMPTY
-from .torch_private import stock_iterator
+from .torch_private import builds_like_torch, starts_workers, stock_iterator
 
 try:  # deprecated in torch; its iterator runs collectives of its own while it is built
     from torch.utils.data import IterDataPipe as _IterDataPipe
@@ -165,8 +165,9 @@ def own_global_stream(
 
 
 def _draws_worker_seed_globally(loader: DataLoader[Any]) -> bool:
-    """``loader`` starts worker processes, seeding them from torch's global generator."""
-    return (loader.num_workers > 0 and loader.generator is None
+    """Building ``loader``'s iterator starts worker processes, seeding them from torch's global
+    generator (known for torch's own iterators only: a subclass may draw otherwise)."""
+    return (loader.generator is None and starts_workers(loader) and builds_like_torch(loader)
             and not isinstance(loader.dataset, _IterDataPipe))  # that seed is shared by design
 
 

@@ -99,13 +99,19 @@ def test_generators_the_sampler_holds_are_shared_by_the_ranks(ranks):
 def test_loader_workers_take_their_seed_from_their_own_ranks_stream(ranks):
     """Seeded apart, each rank's workers get the base seed that rank draws alone (as under
     torchrun + DDP), not rank 0's, while the order still comes from rank 0's state."""
-    _, results = ranks
+    world, results = ranks
     parts = _section(results, "generators")
-    for rank, part in enumerate(parts):
-        assert part["worker_seeds"] == part["worker_seeds_alone"], rank
-    seeds = [part["worker_seeds"]["seeds"] for part in parts]
-    assert all(len(set(epoch)) == 2 for rank_seeds in seeds for epoch in rank_seeds)  # 2 workers
-    assert len({repr(s) for s in seeds}) == len(seeds)  # no two ranks share their workers' seeds
+    for kind in ("started", "persistent"):  # workers started each epoch, or kept (reset)
+        for rank, part in enumerate(parts):
+            mine, alone = part["worker_seeds"][kind], part["worker_seeds_alone"][kind]
+            assert (mine["seeds"], mine["next"]) == (alone["seeds"], alone["next"]), (kind, rank)
+        seeds = [part["worker_seeds"][kind]["seeds"] for part in parts]
+        assert all(len(epoch) == 2 for rank_seeds in seeds for epoch in rank_seeds)  # 2 workers
+        assert len({repr(s) for s in seeds}) == world  # no two ranks share their workers' seeds
+        # the ranks' shares of each epoch: every sample once
+        for epoch in range(2):
+            ids = sorted(i for p in parts for b in p["worker_seeds"][kind]["ids"][epoch] for i in b)
+            assert ids == list(range(N_GEN)), (kind, epoch)
 
 
 @pytest.mark.parametrize("kind", ["python_random", "numpy", "stream"])

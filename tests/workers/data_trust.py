@@ -248,12 +248,20 @@ class WorkerSeeds(Dataset[tuple[int, int]]):
 
 
 def worker_seeds(batch: int, n: int) -> dict[str, Any]:
-    """A shuffled loader with two workers, the rank seeded apart: per epoch, the seeds of the
-    workers that loaded this rank's batches; then the next numbers of the global stream."""
+    """Shuffled loaders with two workers (started each epoch, or kept: persistent), the rank
+    seeded apart: per epoch, the seeds of the workers that loaded this rank's batches, with the
+    batches; then the next numbers of the global stream."""
     torch.manual_seed(1000 + int(os.environ["RANK"]))
-    loader = DataLoader(WorkerSeeds(n), batch_size=batch, shuffle=True, num_workers=2)
-    seeds = [sorted({int(s) for _, batch_seeds in loader for s in batch_seeds}) for _ in range(2)]
-    return {"seeds": seeds, "next": torch.rand(3).tolist()}
+    out: dict[str, Any] = {}
+    for persistent in (False, True):
+        loader = DataLoader(WorkerSeeds(n), batch_size=batch, shuffle=True, num_workers=2,
+                            persistent_workers=persistent)
+        epochs = [[(ids.tolist(), seeds.tolist()) for ids, seeds in loader] for _ in range(2)]
+        out["persistent" if persistent else "started"] = {
+            "seeds": [sorted({s for _, seeds in epoch for s in seeds}) for epoch in epochs],
+            "ids": [[ids for ids, _ in epoch] for epoch in epochs],
+            "next": torch.rand(3).tolist()}
+    return out
 
 
 def generators(batch: int, n: int) -> dict[str, Any]:
