@@ -47,7 +47,8 @@ def prepare(job: Job, module: nn.Module, grad: bool, session: Session | None = N
         _fsdp.check_call(job, module, grad)
         return module, record.engine
     if not record.root:  # a part of an adopted model, called on its own
-        if grad and job.world_size > 1:
+        # (not a recomputation: activation checkpointing runs a part again in the backward)
+        if grad and job.world_size > 1 and torch._C._current_autograd_node() is None:
             _check_part(job, module)
         return module, None
     if not grad:

@@ -150,6 +150,12 @@ def test_a_part_called_alone_with_gradients_warns_on_rank_zero(ranks):
     assert [r["rank_only"]["part_warned"] for r in results] == [True] + [False] * (len(results) - 1)
 
 
+def test_activation_checkpointing_runs_without_warnings(ranks):
+    """The blocks torch.utils.checkpoint runs again in the backward are not parts called alone."""
+    _, results = ranks
+    assert [r["rank_only"]["checkpoint_warnings"] for r in results] == [[]] * len(results)
+
+
 def test_no_sync_sets_the_users_own_ddp_back(ranks):
     _, results = ranks
     assert all(r["rank_only"]["own_flag_after_no_sync"] is True for r in results)

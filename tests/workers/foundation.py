@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, RandomSampler
 
 from accel_ctx import distributed, no_sync, on_main_process, state
@@ -147,6 +148,19 @@ def sharding() -> dict[str, Any]:
     return out
 
 
+class Checkpointed(nn.Module):
+    """Activation checkpointing (torch.utils.checkpoint) around a block of the model."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.inp = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
 def rank_only_and_parts() -> dict[str, Any]:
     """Rank-only previews, parts of a model called alone, the user's own DDP and group."""
     out: dict[str, Any] = {}
@@ -164,6 +178,12 @@ def rank_only_and_parts() -> dict[str, Any]:
         F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
         opt.step()
         out["after_preview"] = params(model)  # rank 0's weights everywhere, then one step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for reentrant in (False, True):  # the blocks run again in the backward
+                checkpointed = Checkpointed(reentrant)
+                checkpointed(torch.randn(4, 8)).sum().backward()
+        out["checkpoint_warnings"] = [str(w.message) for w in caught]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             model.net(torch.randn(4, 8)).sum().backward()  # a part, alone, with gradients
