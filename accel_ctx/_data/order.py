@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
+from .._group.blame import refuse_rank_only
 from ..errors import DistributedError
 from .shard import EMPTY
 from .torch_private import builds_like_torch, starts_workers, stock_iterator
@@ -228,6 +229,8 @@ def shared_start(
     Returns the iterator, the states it started from and the generators they belong to (the
     global one first, then :func:`order_generators`).
     """
+    refuse_rank_only("iter() of a shuffled DataLoader (an evaluation on one rank: shuffle=False)",
+                     "the broadcast that makes the ranks agree on its order")
     generators = order_generators(loader)
     states = _states(generators)
     sizes = [s.numel() for s in states]

@@ -150,6 +150,14 @@ def test_a_part_called_alone_with_gradients_warns_on_rank_zero(ranks):
     assert [r["rank_only"]["part_warned"] for r in results] == [True] + [False] * (len(results) - 1)
 
 
+def test_a_shuffled_loader_in_rank_only_code_is_refused_at_once(ranks):
+    """Its order needs a broadcast the other ranks never join: an error, not a wait."""
+    _, results = ranks
+    message = results[0]["rank_only"]["rank_only_shuffled"]
+    assert message is not None and "shuffled DataLoader" in message and "shuffle=False" in message
+    assert [r["rank_only"]["rank_only_shuffled"] for r in results[1:]] == [None] * (len(results) - 1)
+
+
 def test_activation_checkpointing_runs_without_warnings(ranks):
     """The blocks torch.utils.checkpoint runs again in the backward are not parts called alone."""
     _, results = ranks

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from accel_ctx import distributed, no_sync, on_main_process, state
 from accel_ctx._engines import records as _records
+from accel_ctx.errors import DistributedError
 
 from .common import (
     MLP,
@@ -174,6 +175,17 @@ def rank_only_and_parts() -> dict[str, Any]:
                 return model(torch.ones(2, 8))
 
         preview()
+
+        @on_main_process
+        def shuffled_evaluation() -> str | None:  # its order would need every rank: refused
+            try:
+                for _ in DataLoader(LoggingDataset(6), batch_size=2, shuffle=True):
+                    pass
+            except DistributedError as exc:
+                return str(exc)
+            return None
+
+        out["rank_only_shuffled"] = shuffled_evaluation()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
         opt.step()
