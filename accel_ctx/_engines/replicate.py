@@ -21,6 +21,7 @@ from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.session import Session
 from .._warn import warn_user
+from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
@@ -163,3 +164,18 @@ def _convert_batchnorm(module: nn.Module) -> list[tuple[nn.Module, str, nn.Modul
                 setattr(parent, name, sync)
                 undo.append((parent, name, child))
     return undo
+
+
+def explain_unused_parameters(job: Job, exc: BaseException) -> None:
+    """DDP's error at the step after one where some parameters got no gradient names its own
+    constructor's option, which the user never calls: raise it again naming ours."""
+    if "find_unused_parameters=True" not in str(exc) or job.options.find_unused_parameters:
+        return
+    raise ConfigurationError(
+        f"rank {job.rank}: the model has parameters that took no part in the previous step's "
+        "loss (a branch not taken, a layer left out of forward), so DDP never finished "
+        "averaging their gradients and cannot start a new step. Fix: "
+        "distributed(find_unused_parameters=True) (DDP's option of that name), or set "
+        "requires_grad=False on the parameters the forward never uses."
+    ) from exc
+

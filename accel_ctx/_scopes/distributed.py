@@ -222,6 +222,7 @@ class DistributedRuntime(Concern):
                     reset_stack(token)
             except Exception as exc:
                 _blame.reraise(job, exc, "forward")  # DDP's buffer broadcast
+                _replicate.explain_unused_parameters(job, exc)
                 raise
             finally:
                 progress.phase = AFTER_FORWARD
@@ -264,6 +265,7 @@ class DistributedRuntime(Concern):
     def forward_failed(self, call: ForwardCall, exc: Exception) -> None:
         if call.engine is not None:
             _blame.reraise(self.job, exc, "forward")  # DDP's buffer broadcast
+            _replicate.explain_unused_parameters(self.job, exc)
             if self.tensor is not None:
                 _tensor_parallel.explain_failure(call.module, self.tensor, exc)
 

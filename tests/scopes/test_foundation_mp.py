@@ -158,6 +158,15 @@ def test_a_shuffled_loader_in_rank_only_code_is_refused_at_once(ranks):
     assert [r["rank_only"]["rank_only_shuffled"] for r in results[1:]] == [None] * (len(results) - 1)
 
 
+def test_parameters_a_step_leaves_out_stop_with_the_option_that_fixes_it(ranks):
+    """DDP's own message names its constructor, which the user never calls."""
+    _, results = ranks
+    for rank, r in enumerate(results):
+        message = r["rank_only"]["unused_error"]
+        assert message is not None and message.startswith(f"rank {rank}:"), message
+        assert "distributed(find_unused_parameters=True)" in message
+
+
 def test_activation_checkpointing_runs_without_warnings(ranks):
     """The blocks torch.utils.checkpoint runs again in the backward are not parts called alone."""
     _, results = ranks

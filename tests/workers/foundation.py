@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, RandomSampler
 
 from accel_ctx import distributed, no_sync, on_main_process, state
 from accel_ctx._engines import records as _records
-from accel_ctx.errors import DistributedError
+from accel_ctx.errors import ConfigurationError, DistributedError
 
 from .common import (
     MLP,
@@ -162,6 +162,18 @@ class Checkpointed(nn.Module):
         return checkpoint(self.block, self.inp(x), use_reentrant=self.reentrant)  # type: ignore[no-any-return]
 
 
+class Branchy(nn.Module):
+    """A second layer used on odd steps only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 2)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.a(x) + self.b(x) if use_b else self.a(x)  # type: ignore[no-any-return]
+
+
 def rank_only_and_parts() -> dict[str, Any]:
     """Rank-only previews, parts of a model called alone, the user's own DDP and group."""
     out: dict[str, Any] = {}
@@ -210,6 +222,15 @@ def rank_only_and_parts() -> dict[str, Any]:
         own(torch.full((2, 3), float(state().rank + 1))).sum().backward()
         out["own_grad"] = own.module.weight.grad.clone()  # type: ignore[union-attr]
         del own
+
+        # a layer the forward leaves out: DDP stops at the next step; the fix names our option
+        branchy = Branchy()
+        out["unused_error"] = None
+        try:
+            for step in range(2):
+                branchy(torch.randn(4, 8), use_b=step % 2 == 1).sum().backward()
+        except ConfigurationError as exc:
+            out["unused_error"] = str(exc)
     # a group the user formed first: distributed() uses it and leaves it to them
     dist.init_process_group("gloo", init_method=own_init_method("own"),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
