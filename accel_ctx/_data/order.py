@@ -10,42 +10,30 @@ draws from the states it received and compares. A sampler that draws from someth
 overlapping shares: the mismatching rank raises a :class:`DistributedError` naming the sampler
 and the fix. One broadcast per epoch, as before; nothing per step.
 
-A rank's own random stream stays its own. Scripts seed each rank differently (``manual_seed(s +
-rank)``) so that dropout, noise and augmentations differ between ranks; borrowing rank 0's
-global state for the order must not make every rank draw rank 0's numbers afterwards. So each
-rank's global generator is then put back to its own state, moved on by exactly as many words as
-building the epoch drew from it: where the same script under torchrun + DDP leaves it.
+A rank's own random stream stays its own (:mod:`.own_stream`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import numbers
 import struct
 import types
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from itertools import islice
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from .._group.blame import refuse_rank_only
 from ..errors import DistributedError
+from .own_stream import is_datapipe, own_global_stream
 from .shard import EMPTY
-from .torch_private import builds_like_torch, starts_workers, stock_iterator
-
-try:  # deprecated in torch; its iterator runs collectives of its own while it is built
-    from torch.utils.data import IterDataPipe as _IterDataPipe
-except ImportError:  # pragma: no cover - removed in a later torch
-    _IterDataPipe = ()  # type: ignore[assignment,misc]
 
 T = TypeVar("T")
-_ONE_SAMPLE = TensorDataset(torch.zeros(1))
 _WALK_BUDGET = 2000  # objects looked at when searching a sampler for its generators
 _SKIP = (str, bytes, numbers.Number, torch.Tensor, type, types.ModuleType, types.FunctionType,
          types.MethodType, types.BuiltinFunctionType, nn.Module, DataLoader)
@@ -88,126 +76,6 @@ def order_generators(loader: DataLoader[Any]) -> list[torch.Generator]:
     return found
 
 
-# torch's CPU generator (mt19937) state: seed, words left before the next twist, seeded flag,
-# index of the next word, then the 624 state words (as uint64); normal-sample caches follow.
-_LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 624 * 8)
-_MAX_TWISTS = 1 << 16  # ~40M words: far more than building an epoch's order draws
-
-
-def _position(state: torch.Tensor) -> tuple[int, int]:
-    """(words left before the next twist, index of the next word) of a CPU generator state."""
-    return (int(state[_LEFT].view(torch.int32).item()),
-            int(state[_NEXT].view(torch.int64).item()))
-
-
-def words_drawn(before: torch.Tensor, after: torch.Tensor) -> int | None:
-    """How many 32-bit words a CPU generator drew to get from ``before`` to ``after``.
-
-    None when ``after`` is not a state ``before`` reaches by drawing (another seed, or more
-    than ``_MAX_TWISTS`` twists away).
-    """
-    walker = torch.Generator()
-    walker.set_state(before)
-    target_words = after[_WORDS]
-    target_next = _position(after)[1]
-    drawn = 0
-    for _ in range(_MAX_TWISTS):
-        now = walker.get_state()
-        left, next_word = _position(now)
-        if torch.equal(now[_WORDS], target_words) and target_next >= next_word:
-            rest = target_next - next_word
-            if rest:
-                torch.rand(rest, generator=walker)
-            same = torch.equal(walker.get_state()[:_WORDS.stop], after[:_WORDS.stop])
-            return drawn + rest if same else None
-        torch.rand(left, generator=walker)  # through the next twist
-        drawn += left
-    return None
-
-
-def advanced(state: torch.Tensor, words: int) -> torch.Tensor:
-    """``state`` moved on by ``words`` 32-bit words (one per float32 ``rand`` sample)."""
-    walker = torch.Generator()
-    walker.set_state(state)
-    while words > 0:
-        chunk = min(words, 1 << 22)
-        torch.rand(chunk, generator=walker)
-        words -= chunk
-    return walker.get_state()
-
-
-@contextlib.contextmanager
-def own_global_stream(
-    borrowed: torch.Tensor, loader: DataLoader[Any] | None = None
-) -> Iterator[None]:
-    """Draw from rank 0's global state ``borrowed`` inside, then go back to this rank's own
-    state, moved on by as many words as the block drew (what the same code would have drawn
-    from it).
-
-    ``loader``'s iterator, built inside, draws its worker processes' base seed from this rank's
-    own state, as under torchrun + DDP: that seed decides no order, and workers seeded from
-    rank 0's state would give every rank rank 0's augmentations.
-    """
-    own = torch.get_rng_state()
-    # Ranks seeded alike (the common case): the block draws from this rank's own state, and
-    # leaves it where the same code would have, however it draws (a reseed included).
-    alike = torch.equal(own, borrowed)
-    torch.set_rng_state(borrowed)
-    try:
-        if alike or loader is None or not _draws_worker_seed_globally(loader):
-            yield
-        else:
-            with _worker_seed_from(loader, own):
-                yield
-    finally:
-        after = torch.get_rng_state()
-        if not alike:
-            _own_moved_on(own, borrowed, after)
-
-
-def _draws_worker_seed_globally(loader: DataLoader[Any]) -> bool:
-    """Building ``loader``'s iterator starts worker processes, seeding them from torch's global
-    generator (known for torch's own iterators only: a subclass may draw otherwise)."""
-    return (loader.generator is None and starts_workers(loader) and builds_like_torch(loader)
-            and not isinstance(loader.dataset, _IterDataPipe))  # that seed is shared by design
-
-
-@contextlib.contextmanager
-def _worker_seed_from(loader: DataLoader[Any], own: torch.Tensor) -> Iterator[None]:
-    """While the iterator is built, ``loader.generator`` (which its base seed is drawn from,
-    and nothing else) is a generator at this rank's ``own`` state. The global stream, rank 0's,
-    skips the words rank 0's base seed took, so the order is drawn from where rank 0 drew it."""
-    stream = torch.Generator()
-    stream.set_state(own)
-    try:
-        loader.generator = stream
-    except (AttributeError, TypeError):  # a subclass's read-only generator: rank 0's, as before
-        yield
-        return
-    try:
-        torch.rand(_base_seed_words())
-        yield
-    finally:
-        loader.generator = None
-
-
-@functools.cache
-def _base_seed_words() -> int:
-    """32-bit words a DataLoader iterator draws for its workers' base seed (measured once)."""
-    probe = torch.Generator()
-    probe.manual_seed(0)
-    before = probe.get_state()
-    stock_iterator(DataLoader(_ONE_SAMPLE, generator=probe))
-    return words_drawn(before, probe.get_state()) or 0
-
-
-def _own_moved_on(own: torch.Tensor, borrowed: torch.Tensor, after: torch.Tensor) -> None:
-    """This rank's ``own`` state moved on by the words drawn from ``borrowed`` to ``after``."""
-    words = words_drawn(borrowed, after)
-    # a stream that cannot be followed (reseeded inside): leave this rank's untouched
-    torch.set_rng_state(advanced(own, words) if words is not None else own)
-
-
 def _states(generators: list[torch.Generator]) -> list[torch.Tensor]:
     return [torch.get_rng_state(), *(g.get_state() for g in generators)]
 
@@ -235,7 +103,7 @@ def shared_start(
     states = _states(generators)
     sizes = [s.numel() for s in states]
     device = job.comm_device(torch.device("cpu"))
-    if isinstance(loader.dataset, _IterDataPipe):  # it broadcasts while being built
+    if is_datapipe(loader.dataset):  # it broadcasts while being built
         buffer = torch.cat([torch.zeros(16, dtype=torch.uint8), *states]).to(device)
         dist.broadcast(buffer, src=0)
         states = [s.clone() for s in torch.split(buffer.cpu()[16:], sizes)]
@@ -332,6 +200,19 @@ def _mismatch(loader: DataLoader[Any], rank: int, generators: list[torch.Generat
     reached = "torch's global generator"
     if generators:
         reached += f" and the {len(generators)} torch.Generator(s) found on the loader"
+    if isinstance(loader.dataset, IterableDataset):
+        return (
+            f"rank {rank}: {what} began its epoch with a different batch on this rank than on "
+            f"rank 0 (or with none), although every rank started from rank 0's random states "
+            f"({reached}). accel_ctx gives each rank every world_size-th batch of one stream, "
+            "so the stream must be the same on every rank. Either it splits itself between the "
+            "ranks (it reads the rank, e.g. datasets' split_dataset_by_node): let it yield the "
+            "whole stream on every rank and accel_ctx takes this rank's share; or it shuffles "
+            "with a random number generator accel_ctx cannot reach (Python's random module, "
+            "NumPy): keep a torch.Generator on the dataset (self.generator = torch.Generator(), "
+            "then torch.randperm(n, generator=self.generator)), or seed its generator "
+            "identically on every rank at each epoch (e.g. random.Random(seed + epoch))."
+        )
     return (
         f"rank {rank}: {what} drew a different order of batches on this rank than on rank 0, "
         f"although every rank started the epoch from rank 0's random states ({reached}). It "

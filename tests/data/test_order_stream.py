@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from accel_ctx._data.order import own_global_stream
+from accel_ctx._data.own_stream import own_global_stream
 
 
 def _draw_and_reseed() -> None:
