@@ -36,6 +36,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .._job.job import Job
+from .._kernel import state as _state
 from .._warn import warn_user
 from .shard import ShardPlan
 
@@ -95,6 +96,7 @@ class EvalPass:
     total: int | None  # global batches in the epoch
     collectives_at_start: int
     metric_gathers: int  # gather_for_metrics calls during the pass
+    rank_only: _state.RankOnly | None = None  # the pass ran in rank-only code (on_main_process)
 
 
 def pass_ended(job: Job, loader: Any, where: str, plan: ShardPlan, total: int | None,
@@ -105,7 +107,7 @@ def pass_ended(job: Job, loader: Any, where: str, plan: ShardPlan, total: int | 
     if plan.world == 1 or collectives_at_start is None or loader in root.eval_warned:
         return
     root.pending_eval = EvalPass(weakref.ref(loader), Loader.of(loader), where, plan, total,
-                                 collectives_at_start, metric_gathers)
+                                 collectives_at_start, metric_gathers, _state.rank_only())
 
 
 def verdict(job: Job) -> None:
@@ -186,6 +188,20 @@ def _shares(pending: EvalPass) -> str:
 
 def _never_combined(pending: EvalPass, padded: int) -> str:
     world = pending.plan.world
+    if pending.rank_only is not None:  # the other ranks never ran it: their shares are unseen
+        mark = pending.rank_only
+        mine = _shares(pending).split(", ")[0]
+        return (
+            f"an evaluation over {_describe(pending)} ran without gradients inside "
+            f"{mark.label}: {mark.who}, and it saw only this rank's share of the samples "
+            f"({mine}): "
+            f"inside distributed() every DataLoader is sharded over the {world} processes, so "
+            "sums, counts and averages computed from this loop describe 1/"
+            f"{world} of the data set. Fix: run the evaluation on every rank, outside "
+            f"{mark.label}, gathering each batch's outputs with gather_for_metrics(...) (every "
+            "sample exactly once), then report on rank 0; or evaluate after the distributed() "
+            "block, where the loader is whole."
+        )
     repeat = (f" (the last round repeated {padded} batch{'es' if padded > 1 else ''} so that "
               "every rank has as many)") if padded else ""
     return (

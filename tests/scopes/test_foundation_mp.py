@@ -167,6 +167,15 @@ def test_parameters_a_step_leaves_out_stop_with_the_option_that_fixes_it(ranks):
         assert "distributed(find_unused_parameters=True)" in message
 
 
+def test_an_evaluation_on_rank_0_only_is_told_it_saw_rank_0s_share(ranks):
+    world, results = ranks
+    texts = results[0]["rank_only"]["rank_only_evaluation"]
+    assert len(texts) == 1, texts
+    assert "inside @on_main_process" in texts[0] and f"1/{world} of the data set" in texts[0]
+    assert "on each of the" not in texts[0] and "rank 1:" not in texts[0]
+    assert all(r["rank_only"]["rank_only_evaluation"] == [] for r in results[1:])
+
+
 def test_activation_checkpointing_runs_without_warnings(ranks):
     """The blocks torch.utils.checkpoint runs again in the backward are not parts called alone."""
     _, results = ranks

@@ -198,10 +198,22 @@ def rank_only_and_parts() -> dict[str, Any]:
             return None
 
         out["rank_only_shuffled"] = shuffled_evaluation()
+
+        @on_main_process
+        def evaluation() -> None:  # sees rank 0's share: said so, not "on each process"
+            with torch.no_grad():
+                for _, x in DataLoader(LoggingDataset(8), batch_size=2):
+                    model(x.expand(-1, 8))  # x: (2, 1)
+
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 0])).backward()
         opt.step()
         out["after_preview"] = params(model)  # rank 0's weights everywhere, then one step
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            evaluation()
+            next(iter(DataLoader(LoggingDataset(4), batch_size=2)))  # training goes on: judged
+        out["rank_only_evaluation"] = [str(w.message) for w in caught]
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for reentrant in (False, True):  # the blocks run again in the backward
