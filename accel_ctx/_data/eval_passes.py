@@ -159,9 +159,14 @@ def _describe(pending: EvalPass) -> str:
 
 def _shares(pending: EvalPass) -> str:
     """'rank 0: 1000 samples, rank 1: 1000' (batches when sample counts are unknown)."""
-    plan, total = pending.plan, pending.total
-    if total is None:
+    if pending.total is None:
         return "each rank its own batches"
+    return ", ".join(_rank_shares(pending, pending.total))
+
+
+def _rank_shares(pending: EvalPass, total: int) -> list[str]:
+    """Per rank, 'rank R: N samples' (or 'rank R: N batches')."""
+    plan = pending.plan
     world = plan.world
     size, n = pending.facts.batch_size, pending.facts.samples
 
@@ -183,14 +188,15 @@ def _shares(pending: EvalPass) -> str:
             parts.append(f"rank {rank}: {count} samples")
         else:
             parts.append(f"rank {rank}: {batches} batches")
-    return ", ".join(parts)
+    return parts
 
 
 def _never_combined(pending: EvalPass, padded: int) -> str:
     world = pending.plan.world
     if pending.rank_only is not None:  # the other ranks never ran it: their shares are unseen
         mark = pending.rank_only
-        mine = _shares(pending).split(", ")[0]
+        mine = _shares(pending) if pending.total is None else _rank_shares(
+            pending, pending.total)[0]
         return (
             f"an evaluation over {_describe(pending)} ran without gradients inside "
             f"{mark.label}: {mark.who}, and it saw only this rank's share of the samples "

@@ -1,6 +1,6 @@
 """A rank's own random stream stays its own while its epoch's order is drawn from rank 0's.
 
-A rank's own random stream stays its own. Scripts seed each rank differently (``manual_seed(s +
+Scripts seed each rank differently (``manual_seed(s +
 rank)``) so that dropout, noise and augmentations differ between ranks; borrowing rank 0's
 global state for the order must not make every rank draw rank 0's numbers afterwards. So each
 rank's global generator is then put back to its own state, moved on by exactly as many words as
@@ -34,6 +34,7 @@ _ONE_SAMPLE = TensorDataset(torch.zeros(1))
 def is_datapipe(dataset: object) -> bool:
     """A torchdata DataPipe (deprecated): its iterator broadcasts a seed while it is built."""
     return isinstance(dataset, _IterDataPipe)
+
 
 # torch's CPU generator (mt19937) state: seed, words left before the next twist, seeded flag,
 # index of the next word, then the 624 state words (as uint64); normal-sample caches follow.

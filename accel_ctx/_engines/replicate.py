@@ -178,4 +178,3 @@ def explain_unused_parameters(job: Job, exc: BaseException) -> None:
         "distributed(find_unused_parameters=True) (DDP's option of that name), or set "
         "requires_grad=False on the parameters the forward never uses."
     ) from exc
-

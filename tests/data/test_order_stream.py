@@ -7,9 +7,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from accel_ctx._data.own_stream import own_global_stream
+
+from ..workers.data_trust import WorkerSeeds
 
 
 def _draw_and_reseed() -> None:
@@ -42,18 +44,6 @@ def test_a_rank_seeded_apart_keeps_its_own_stream_moved_on_by_the_draws() -> Non
     assert not torch.equal(drawn_from_rank_0, expected)
 
 
-
-class _Seeds(Dataset[tuple[int, int]]):
-    """Each sample: its id and the seed of the loader worker that loaded it."""
-
-    def __len__(self) -> int:
-        return 8
-
-    def __getitem__(self, i: int) -> tuple[int, int]:
-        info = get_worker_info()
-        return i, info.seed if info is not None else -1
-
-
 class _ReadOnlyGeneratorLoader(DataLoader[tuple[int, int]]):
     """A subclass whose ``generator`` cannot be set to anything but None."""
 
@@ -83,7 +73,7 @@ def _seeded_state(seed: int) -> torch.Tensor:
 @pytest.mark.spawns  # the loaders' worker processes
 def test_loader_workers_seeded_from_this_ranks_stream_the_order_from_rank_0s() -> None:
     def make(kind: type[DataLoader[Any]] = DataLoader) -> DataLoader[Any]:
-        return kind(_Seeds(), batch_size=2, shuffle=True, num_workers=1)
+        return kind(WorkerSeeds(8), batch_size=2, shuffle=True, num_workers=1)
 
     torch.manual_seed(4)
     rank_0_ids, rank_0_seed, _ = _epoch_start(make(), None)
