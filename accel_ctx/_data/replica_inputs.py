@@ -5,15 +5,16 @@ themselves; wrapped as they are, every rank trains on the same tensors unless th
 slices them by rank, so W processes train W identical copies at W times the cost of one.
 
 From the job's first training forward through an engine, each forward notes a fingerprint of its
-inputs (and whether a DataLoader accel_ctx shards fed it) and the backward that follows notes its
-loss, all locally. The ranks exchange what a step noted at the next training forward, before it
+inputs and the backward that follows notes its loss, all locally. The ranks exchange what a step noted at the next training forward, before it
 runs (one small all-gather, where every rank is anyway, as DDP's own start-up broadcast is): the
 backward and the first step run no collective of ours, so a rank that fails there is blamed as
 before. The inputs are "the same" only when every rank's inputs *and* loss are equal: a script
 that shares its inputs but gives each rank its own targets computes different losses. A fixed
 batch may be a warm-up: rank 0 warns once, naming the fixes, only when ``STEPS`` steps in a row
-were the same on every rank with no sharded loader. The first step that differs, or comes from
-such a loader, ends the check: nothing per step after it.
+were the same on every rank with no DataLoader. The first step that differs ends the check, and
+so does the first forward a DataLoader feeds, at once and without a collective: every rank is in
+that loop, and its next step may be in an uneven last round that some ranks never reach
+(``even_batches=False``). Nothing per step after it.
 """
 
 from __future__ import annotations
@@ -43,35 +44,39 @@ def note_inputs(job: Job, call: ForwardCall, session: Session) -> None:
         _compare(job, *adoption.unsent_inputs)
         if adoption.inputs_checked:
             return
-    fed, digest = adoption.pending_inputs or (False, 0)
-    fed = fed or session.active_loader() is not None
-    digest = zlib.crc32(digest.to_bytes(4, "little"),
+    if session.active_loader() is not None:
+        # a DataLoader feeds this step on every rank: the check ends here, with no collective
+        # (the next step may be in an uneven last round some ranks have left: even_batches=False)
+        adoption.inputs_checked = True
+        adoption.pending_inputs = None
+        return
+    digest = zlib.crc32((adoption.pending_inputs or 0).to_bytes(4, "little"),
                         _data_order.fingerprint((call.args, call.kwargs)))
-    adoption.pending_inputs = (fed, digest)
+    adoption.pending_inputs = digest
 
 
 def note_loss(job: Job, loss: torch.Tensor) -> None:
     """The backward of noted forwards: its loss joins their notes, compared at the next step."""
     adoption = job.adoption
-    fed, digest = adoption.pending_inputs or (False, 0)
+    digest = adoption.pending_inputs or 0
     adoption.pending_inputs = None
     local = loss.to_local() if hasattr(loss, "to_local") else loss  # a DTensor (loss_parallel)
     value = float(local.detach().double().sum())  # a sync, for the first few steps only
     bits = int(torch.tensor([value], dtype=torch.float64).view(torch.int64).item())
-    adoption.unsent_inputs = (fed, digest, bits)
+    adoption.unsent_inputs = (digest, bits)
 
 
-def _compare(job: Job, fed: bool, digest: int, bits: int) -> None:
+def _compare(job: Job, digest: int, bits: int) -> None:
     adoption = job.adoption
     adoption.unsent_inputs = None
-    mine = torch.tensor([int(fed), digest, bits], dtype=torch.int64,
+    mine = torch.tensor([digest, bits], dtype=torch.int64,
                         device=job.comm_device(torch.device("cpu")))
     everyone = [torch.empty_like(mine) for _ in range(job.world_size)]
     dist.all_gather(everyone, mine)
     rows = [[int(v) for v in t.cpu().tolist()] for t in everyone]
-    losses = [torch.tensor([r[2]], dtype=torch.int64).view(torch.float64).item() for r in rows]
+    losses = [torch.tensor([r[1]], dtype=torch.int64).view(torch.float64).item() for r in rows]
     # every rank reads the same rows: they agree on whether the check goes on (its collective)
-    same = (not any(r[0] for r in rows) and len({r[1] for r in rows}) == 1
+    same = (len({r[0] for r in rows}) == 1
             and all(math.isclose(x, losses[0], rel_tol=1e-6, abs_tol=1e-12)
                     or (math.isnan(x) and math.isnan(losses[0])) for x in losses))
     adoption.same_inputs = adoption.same_inputs + 1 if same else 0

@@ -69,8 +69,8 @@ class Adoption:
         # in a row that were the same on every rank, and this step's forwards, not yet compared
         self.inputs_checked = False
         self.same_inputs = 0
-        self.pending_inputs: tuple[bool, int] | None = None
-        self.unsent_inputs: tuple[bool, int, int] | None = None  # a step's notes, for the next
+        self.pending_inputs: int | None = None  # the digest of this step's inputs
+        self.unsent_inputs: tuple[int, int] | None = None  # a step's (digest, loss bits)
 
 
 class Job:

@@ -164,6 +164,15 @@ def test_uneven_gather_for_metrics_sees_every_sample_once(ranks):
         _allclose(part["trained_gathering"], part["hand"])
 
 
+def test_an_uneven_first_epoch_of_one_whole_round_trains_like_join_by_hand(ranks):
+    # W+1 batches: the first step's inputs check met the ranks at the second step, which the
+    # ranks with one batch never reach (they waited in Join), and the job hung
+    _, results = ranks
+    for part in _section(results, "uneven"):
+        assert "error" not in part["one_round"], part["one_round"]["error"]
+        _allclose(part["one_round"], part["one_round_hand"])
+
+
 def test_uneven_batches_with_two_trained_models_are_refused_on_every_rank(ranks):
     _, results = ranks
     for part in _section(results, "uneven"):

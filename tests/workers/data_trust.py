@@ -372,11 +372,21 @@ def uneven(batch: int, n: int) -> dict[str, Any]:
     with distributed(timeout=scaled(TIMEOUT), even_batches=False), accumulate(2):
         out["accumulated"] = _guard(lambda: _train_uneven(DataLoader(data, batch_size=batch), 1))
         out["accumulated_steps"] = state().step
+    # a fresh job whose first epoch is one whole round and a short one (W+1 batches of one,
+    # Accelerate's join test): rank 0's second step must not wait for the ranks that left
+    tiny = make_data(world + 1)
+    out["one_round_hand"] = by_hand(_join_by_hand, [list(DataLoader(tiny))[rank::world]])
+    out["one_round"] = _guard(lambda: _one_round(tiny))
     # too_few before two_models: the ranks meet again at the next scope's rendezvous, so rank 0
     # does not leave the job while the others still read its announcement from the store
     out["too_few"] = _too_few_batches(batch)
     out["two_models"] = _guard(lambda: _two_models(batch, n))
     return out
+
+
+def _one_round(data: Any) -> dict[str, torch.Tensor]:
+    with distributed(timeout=scaled(TIMEOUT), even_batches=False):
+        return _train_uneven(DataLoader(data), 1)
 
 
 def _two_models(batch: int, n: int) -> None:
