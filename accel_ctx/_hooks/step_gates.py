@@ -12,9 +12,11 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -100,6 +102,8 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return None
+    if _DCP_STATE_DICT in sys.modules and _filling_state(sys._getframe(1)):
+        return None  # not a training step: stock torch's, uncounted and never held back
     session = stack.session
     hooks = stack.hooks
     record = session.optimizer_record(optimizer)
@@ -134,6 +138,24 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     if skip:
         return ((skipped_view(optimizer), *args[1:]), kwargs)
     return None
+
+
+_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
+_FILLS_STATE = "_init_optim_state"
+
+
+def _filling_state(frame: FrameType | None) -> bool:
+    """Whether this step() is the one torch.distributed.checkpoint's ``set_state_dict`` and
+    ``get_state_dict`` take, at lr 0 on zero gradients, to create a fresh optimizer's state
+    before loading into it (``_init_optim_state``): a few frames up, below torch's step wrapper."""
+    for _ in range(4):
+        if frame is None:
+            return False
+        if (frame.f_code.co_name == _FILLS_STATE
+                and frame.f_globals.get("__name__") == _DCP_STATE_DICT):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -158,3 +158,46 @@ def test_a_second_scheduler_step_mid_group_waits_and_several_at_the_boundary_run
     # 6 micro-batches, 2 groups: 2 calls + 2 guarded calls at each boundary
     assert sched.last_epoch == 8, sched.last_epoch
     assert len(told) == 1 and "held back" in told[0] and "sync_gradients" in told[0], told
+
+
+def test_a_resume_through_dcps_set_state_dict_is_not_a_step():
+    # torch.distributed.checkpoint's set_state_dict() fills a fresh optimizer's state with one
+    # step() at lr 0 (_init_optim_state): counted as a training step, it moved state().step and
+    # let the first mid-group scheduler step of the resumed run through
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def lrs_of_a_run(resume: bool) -> tuple[list[float], int]:
+        torch.manual_seed(0)
+        batches = list(DataLoader(make_data(32), batch_size=4, shuffle=True))
+        model = MLP()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 / (n + 1))
+        with accumulate(2):
+            for x, y in batches[:4]:  # two whole groups
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+            if resume:  # a second job: fresh objects, the state loaded before the first forward
+                saved_model, saved_opt = get_state_dict(model, opt)
+                saved_sched = sched.state_dict()
+                model = MLP()
+                opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+                sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda n: 1 / (n + 1))
+                set_state_dict(model, opt, model_state_dict=saved_model,
+                               optim_state_dict=saved_opt)
+                sched.load_state_dict(saved_sched)
+            steps_at_resume = state().step
+            lrs = []
+            for x, y in batches[4:]:
+                F.cross_entropy(model(x), y).backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                lrs.append(opt.param_groups[0]["lr"])
+        return lrs, steps_at_resume
+
+    whole, _ = lrs_of_a_run(resume=False)
+    resumed, steps_at_resume = lrs_of_a_run(resume=True)
+    assert resumed == whole
+    assert steps_at_resume == 2  # the two groups trained, not the optimizer's state being filled
