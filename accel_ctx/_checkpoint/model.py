@@ -58,8 +58,13 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
             f"save_model(model=...) takes a torch.nn.Module, got {type(model).__name__}: "
             "save_model(model, 'model.safetensors').")
     file_path("save_model", "path", path)
-    arrive("save_model()")
     target = Path(path)
+    if target.is_dir():  # checked on every rank: rank 0 alone would fail inside os.replace
+        raise ConfigurationError(
+            f"save_model(path={str(path)!r}): that is a directory, and save_model writes one "
+            f"file: give a file name, e.g. save_model(model, {str(target / 'model.safetensors')!r}) "
+            "(save_state(directory) keeps a whole checkpoint in a directory).")
+    arrive("save_model()")
     use_safetensors = target.suffix == ".safetensors"
     if use_safetensors and not _safetensors_available():
         target, use_safetensors = target.with_suffix(".pt"), False

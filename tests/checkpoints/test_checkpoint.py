@@ -445,3 +445,9 @@ def test_save_model_replaces_a_file_only_once_complete(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"), warnings.catch_warnings():
         save_model(MLP(), path)
     assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_save_model_to_a_directory_names_the_file_to_give(tmp_path):
+    with pytest.raises(errors.ConfigurationError, match=r"directory.*model\.safetensors"):
+        save_model(MLP(), tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file left
