@@ -124,6 +124,12 @@ class Described:
         return obj
 
     def _tensor(self, t: torch.Tensor, path: str, kind: str) -> Slot:
+        if hasattr(t, "placements") and hasattr(t, "full_tensor"):  # a DTensor: refused locally
+            raise ConfigurationError(
+                f"{self.name} got a DTensor at {path or 'the input'} (a value computed from a "
+                "sharded or tensor-parallel parameter, spread over the ranks): pass "
+                "x.full_tensor() for its whole value (the same on every rank) or x.to_local() "
+                "for this rank's part.")
         shape = list(t.shape)
         free = self.free_dim
         if free is None:

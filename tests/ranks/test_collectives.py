@@ -96,6 +96,18 @@ def test_reduce_sums_averages_and_takes_extremes_without_touching_inputs(ranks):
         assert type(got["sum"]["n"]) is tuple
 
 
+def test_a_dtensor_is_refused_naming_its_whole_value_and_this_ranks_part(ranks):
+    # it failed inside torch (.tolist() of a DTensor, an all_gather with no sharding
+    # strategy), and each rank blamed the other
+    world, results = ranks
+    if world == 1:
+        pytest.skip("one process: the input comes back as it is")
+    for res in results:
+        for message in res["collectives"]["dtensor"]:
+            assert "DTensor at ['norm']" in message, message
+            assert "full_tensor()" in message and "to_local()" in message
+
+
 def test_broadcast_sends_the_source_structure_with_its_own_sizes(ranks):
     world, results = ranks
     for res in results:

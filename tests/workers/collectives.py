@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -21,6 +22,7 @@ from accel_ctx import (
     state,
 )
 from accel_ctx._kernel.tree import map_tensors, to_device
+from accel_ctx.errors import ConfigurationError
 
 
 class Pair(NamedTuple):
@@ -81,7 +83,23 @@ def collectives() -> dict[str, Any]:
         out["split_dict"] = split_between_processes({"prompt": [f"p{i}" for i in range(7)],
                                                      "id": torch.arange(7)})
         out["split_roundtrip"] = gather(split_between_processes(torch.arange(10) * 3, pad=True))
+        if world > 1:  # a value computed from a sharded parameter: refused, naming the fixes
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            spread = distribute_tensor(torch.ones(2 * world, 2), init_device_mesh("cpu", (world,)),
+                                       [Shard(0)]).sum()
+            out["dtensor"] = [_refusal(lambda call=call: call({"norm": spread}))
+                              for call in (reduce, gather)]
     return out
+
+
+def _refusal(call: Callable[[], Any]) -> str:
+    try:
+        call()
+    except ConfigurationError as exc:
+        return str(exc)
+    return "no error"
 
 
 class Indexed(Dataset[tuple[torch.Tensor, str]]):
