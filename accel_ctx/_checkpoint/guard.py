@@ -31,6 +31,7 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -83,8 +84,10 @@ def arrival_timeout() -> float:
     return min(MAX_ARRIVAL_WAIT, group) if group > 0 else MAX_ARRIVAL_WAIT
 
 
-def arrive(call: str) -> None:
-    """Wait, for a bounded time, until every rank has called ``call`` ("save_state()") too."""
+def arrive(call: str, names: Iterable[str] = ()) -> None:
+    """Wait, for a bounded time, until every rank has called ``call`` ("save_state()") too,
+    with the objects of the same ``names`` (a rank restoring fewer objects than the others
+    would train on, silently apart from them)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return
     group = dist.group.WORLD
@@ -101,7 +104,8 @@ def arrive(call: str) -> None:
     if job is not None:  # a wait: the heartbeat says so every 30 s, naming the others
         job.progress.enter(call)
     try:
-        store.set(f"{point}/arrived/{rank}", call)
+        said = call.removesuffix(")") + ", ".join(f"{name}=" for name in sorted(names)) + ")"
+        store.set(f"{point}/arrived/{rank}", said)
         if store.add(f"{point}/count", 1) == world:  # the last to arrive compares the calls
             calls = [c.decode() for c in store.multi_get(
                 [f"{point}/arrived/{r}" for r in range(world)])]
@@ -173,9 +177,10 @@ class _Gone:
 def _refuse(call: str, rank: int, verdict: dict[str, Any]) -> None:
     if "calls" in verdict:
         raise DistributedError(
-            f"rank {rank}: the ranks called different checkpoint functions at once ("
+            f"rank {rank}: the ranks made different checkpoint calls at once ("
             + ", ".join(f"rank {r} {c}" for r, c in enumerate(verdict["calls"]))
-            + "). Every rank must call save_state()/load_state()/save_model() in the same order."
+            + "). Every rank must call save_state()/load_state()/save_model() in the same order, "
+            "with the same objects under the same names."
         )
     missing, waiter = verdict["missing"], verdict["rank"]
     if "gone" in verdict:

@@ -93,7 +93,7 @@ def load_state(directory: str | os.PathLike[str], *, required: bool = False,
     file_path("load_state", "directory", directory)
     flag("load_state", "required", required)
     stateful, named_loaders = objs.split(objects, "load_state", ("required",))
-    guard.arrive("load_state()")
+    guard.arrive("load_state()", objects)
     stack = _state.current()
     rank, world = objs.rank_world()
     folder = find.choose(Path(directory), rank, world, required)

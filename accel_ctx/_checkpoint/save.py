@@ -137,7 +137,7 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
     from . import files, guard
 
     stateful, named_loaders = objs.split(objects, "save_state", ("keep_last",))
-    guard.arrive("save_state()")
+    guard.arrive("save_state()", objects)
     stack = _state.current()
     for concern in stack.concerns if stack is not None else ():
         concern.before_checkpoint()  # e.g. fp16's pending scale update

@@ -345,7 +345,10 @@ def test_checkpoint_calls_on_one_rank_only_name_the_rank_that_never_came(tmp_pat
         assert 3 < out[0][f"waited{n}"] < scaled(50)  # 4 s, not distributed(timeout=scaled(60))
         assert f"{call} must be called on every rank; rank 1 came too late" in late, late
     for rank in range(2):
-        assert "rank 0 save_state(), rank 1 load_state()" in out[rank]["mixed"]
+        assert "rank 0 save_state(model=), rank 1 load_state(model=)" in out[rank]["mixed"]
+        other = out[rank]["other_objects"]
+        assert "rank 0 load_state(model=, optimizer=), rank 1 load_state(model=)" in other, other
+        assert "with the same objects under the same names" in other
         assert out[rank]["nothing_written"] == [f"rank0-gave-up-{n}" for n in range(3)]
         assert out[rank]["loaded"] is True
     left = out[0]["after_leaving"]  # ended when rank 1's record said so, not after 4 s

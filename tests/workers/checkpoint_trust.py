@@ -88,6 +88,10 @@ def one_rank_calls(root: str) -> dict[str, Any]:
             out["mixed"] = _error(lambda: save_state(folder / "ckpt", model=model))
         else:
             out["mixed"] = _error(lambda: load_state(folder / "ckpt", model=model))
+        # the same call with other objects: rank 1 would resume without the optimizer's state
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        objects = {"model": model, "optimizer": opt} if rank == 0 else {"model": model}
+        out["other_objects"] = _error(lambda: load_state(folder / "ckpt", **objects))
         out["nothing_written"] = sorted(p.name for p in folder.iterdir())
         path = save_state(folder / "ckpt", model=model)
         fresh = MLP()
