@@ -103,6 +103,7 @@ def failure(job: Job, exc: BaseException, doing: str) -> DistributedError:
     """The error to raise instead of ``exc``; marks this rank failed, blaming the culprit."""
     me = job.rank
     timed_out = any(word in str(exc).lower() for word in ("timed out", "timeout"))
+    job.progress.hold()  # another rank timing out now must not take this one for busy
     try:
         culprits, summary, advice = _judge(job, doing, timed_out)
     except Exception:  # the store is gone too: its host (rank 0 or the launcher) has exited
@@ -149,6 +150,8 @@ def _judge(job: Job, doing: str, timed_out: bool
                     f"rank(s) {frozen} stopped answering (no sign of life for "
                     f"{2.5 * _progress.INTERVAL_S:g} s: {where}) while rank {me} was in {doing}"
                 ), "Their process died or froze: see their output for the cause."
+            elif timed_out:
+                found = busy_elsewhere(records, me, doing)
     if found is not None:
         return found
     silent = [r for r in range(world) if r != me and r not in records]
@@ -170,6 +173,27 @@ def _judge(job: Job, doing: str, timed_out: bool
 
 
 _DYING_S = 2.0  # a killed process closes its sockets before /proc shows it gone
+
+
+def busy_elsewhere(records: dict[int, dict[str, Any]], me: int, doing: str
+                   ) -> tuple[list[int], str, str] | None:
+    """Live ranks at this one's step that are in no collective and no wait of ours, while this
+    one timed out waiting for them (a write that hangs, a loop on that rank alone): the ranks
+    it waited for. A backward is left out: DDP waits for the others inside the autograd engine,
+    where no frame shows it."""
+    busy = sorted(r for r, rec in records.items()
+                  if r != me and rec.get("state") == _progress.RUNNING and not rec.get("waiting")
+                  and not rec.get("blocked") and rec.get("phase") != _progress.BACKWARD)
+    if not busy:
+        return None
+    where = "; ".join(f"rank {r} at {_progress.describe(records[r])}" for r in busy)
+    return busy, (
+        f"rank(s) {busy} never came to the call: busy outside any collective ({where}) while "
+        f"rank {me} timed out waiting in {doing}"
+    ), (
+        f"See what rank {busy[0]} does at that line (a read or write that hangs, work on that "
+        "rank alone); if it is only slow, raise distributed(timeout=...)."
+    )
 
 
 def _gone(peers: dict[int, dict[str, Any]], wait: float) -> list[int]:
@@ -228,7 +252,7 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
                                             int(peers[r].get("seq", 0)), r))
         how = "timed out waiting for it" if timed_out else "lost the connection to it"
         return [lowest], (
-            f"rank {lowest} stopped answering at {_progress.describe(peers[lowest])}; rank "
+            f"rank {lowest} stopped answering at {_progress.last_seen(peers[lowest])}; rank "
             f"{me} {how} in {doing}"
         ), (
             f"See what rank {lowest} is doing there; if it is only slow (an evaluation or a "

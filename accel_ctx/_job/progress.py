@@ -90,6 +90,11 @@ class Progress:
         self.entered_at = _user_code_line(sys._getframe(1))
         self._entered = phase
 
+    def hold(self) -> None:
+        """Count as waiting where the rank is, without moving it (it judges a failed call):
+        the others do not take it for a rank busy elsewhere."""
+        self._entered = self.phase
+
     @property
     def step(self) -> int:
         return self._step

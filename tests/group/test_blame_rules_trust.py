@@ -171,3 +171,22 @@ def test_restarts_are_suggested_after_a_kill_not_after_the_scripts_own_exit_code
     assert "exited with code 3" in last_line(3)
     assert "--max-restarts" in last_line(-9)  # killed (out of memory)
     assert "--max-restarts" in last_line(128 + 15)  # resumable()'s exit after a SIGTERM
+
+
+def test_a_live_rank_busy_outside_any_collective_is_the_one_waited_for():
+    # a rank stalled inside save_state() (a write that hangs) stands at the same step as the
+    # rank that timed out waiting for it: no rank was behind, and the message blamed no one
+    records = {0: _record(6, 4, "after save_state()", waiting=False, blocked="all_gather"),
+               1: _record(6, 4, "after save_state()", waiting=False, blocked="",
+                          where="train.py:22 in write")}
+    culprits, summary, advice = _blame.busy_elsewhere(records, 0, "save_state()")
+    assert culprits == [1]
+    assert summary == ("rank(s) [1] never came to the call: busy outside any collective (rank 1 "
+                       "at step 6, after save_state() (at train.py:22 in write)) while rank 0 "
+                       "timed out waiting in save_state()")
+    assert "raise distributed(timeout=...)" in advice
+    # a rank in a collective, in a wait of ours or in a backward (DDP waits inside the engine)
+    # is not busy elsewhere
+    for other in ({"blocked": "broadcast"}, {"waiting": True}, {"phase": "backward"}):
+        records[1] = {**_record(6, 4, "after save_state()", waiting=False, blocked=""), **other}
+        assert _blame.busy_elsewhere(records, 0, "save_state()") is None, other

@@ -67,6 +67,22 @@ def test_a_stalled_rank_is_named_with_its_step_and_phase(ranks):
             message)
 
 
+def test_a_rank_stalled_inside_save_state_is_named_by_the_ranks_that_waited(ranks):
+    # it stands at the others' step and call, so no rank was behind: the message blamed no
+    # one and told of a mismatch of collectives that did not exist
+    _, results = ranks
+    for rank, (kind, message, culprit, seconds) in enumerate(
+            _outcomes(results, "stall_in_save")):
+        assert kind == "DistributedError", (rank, kind, message)
+        assert culprit == 1, (rank, message)
+        if rank == 1:
+            assert "gave up waiting for this rank" in message
+        else:
+            assert "rank(s) [1] never came to the call: busy outside any collective" in message
+            assert "in _wait_for_flag" in message  # the line it was stuck on
+            assert seconds < scaled(STALL_TIMEOUT + AT_ONCE)
+
+
 def test_a_rank_leaving_early_is_named_at_once_in_backward(ranks):
     _, results = ranks
     for rank, (kind, message, culprit, seconds) in enumerate(_outcomes(results, "leave_backward")):

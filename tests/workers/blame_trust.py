@@ -95,6 +95,36 @@ def stall_in_forward(folder: Path) -> Callable[[], None]:
     return scenario
 
 
+def stall_in_save(folder: Path) -> Callable[[], None]:
+    """Rank 1 stalls inside save_state(), writing its file (a write that hangs): it stands at
+    the same step and call as the others, which time out waiting and name it."""
+    from accel_ctx._checkpoint import files
+
+    flag = folder / "save-gave-up"
+
+    def scenario() -> None:
+        stock = files.save_torch
+
+        def hanging(*args: Any, **kwargs: Any) -> Any:
+            if state().rank == 1:
+                _wait_for_flag(flag)
+            return stock(*args, **kwargs)
+
+        files.save_torch = hanging
+        try:
+            with distributed(timeout=scaled(STALL_TIMEOUT)):
+                torch.manual_seed(0)
+                model = nn.Linear(4, 2)
+                _train(model, 2)
+                save_state(folder / "ckpt", model=model)
+        finally:
+            files.save_torch = stock
+            if state().rank != 1:
+                flag.touch()
+
+    return scenario
+
+
 def leave_then_backward() -> None:
     """Rank 1 returns from its loop at step 3 and leaves distributed(); rank 0's next
     backward raises at once naming it."""
@@ -168,6 +198,7 @@ def run_all(folder: str) -> dict[str, Any]:
     with distributed(timeout=scaled(LONG)):  # everyone started: the scenarios begin together
         wait_for_everyone()
     results["stall"] = _attempt(stall_in_forward(root))
+    results["stall_in_save"] = _attempt(stall_in_save(root))
     results["leave_backward"] = _attempt(leave_then_backward)
     results["leave_barrier"] = _attempt(leave_then_barrier)
     results["leave_debug"] = _attempt(leave_then_debug_check)
