@@ -190,3 +190,16 @@ def test_a_live_rank_busy_outside_any_collective_is_the_one_waited_for():
     for other in ({"blocked": "broadcast"}, {"waiting": True}, {"phase": "backward"}):
         records[1] = {**_record(6, 4, "after save_state()", waiting=False, blocked=""), **other}
         assert _blame.busy_elsewhere(records, 0, "save_state()") is None, other
+
+
+def test_a_frozen_rank_is_placed_at_the_step_its_mirror_shows(tmp_path):
+    # a process stopped (SIGSTOP) soon after a step leaves a record a few steps old: the
+    # message said it stopped "at step 0, before any forward" when it was at step 3
+    mirror = tmp_path / "mirror"
+    mirror.write_bytes(_progress.MIRROR_STEP.pack(3))
+    records = {0: _record(3, 2, "backward"),
+               1: _record(0, 0, "before any forward", mirror=str(mirror))}
+    culprits, summary, _ = _blame._culprits(records, 0, _me(3, 2, "backward"), "backward", True)
+    assert culprits == [1]
+    assert summary.startswith(
+        "rank 1 stopped answering at step 3 (its last published record is from step 0)"), summary
