@@ -29,6 +29,8 @@ VIEW_MARK = "_accel_ctx_skipped_step_view"
 _get_ident = threading.get_ident
 _read_stack = _state.read_stack
 _Optimizer = torch.optim.Optimizer
+# torch.distributed.checkpoint's function that steps a fresh optimizer at lr 0 to create its state
+_DCP_STATE_DICT, _FILLS_STATE = "torch.distributed.checkpoint.state_dict", "_init_optim_state"
 
 
 def skipped_view(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -102,8 +104,18 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     stack = _read_stack()  # _state.current(), inlined: once per step
     if stack is None or stack.pid != _state._pid or stack.thread != _get_ident():
         return None
-    if _DCP_STATE_DICT in sys.modules and _filling_state(sys._getframe(1)):
-        return None  # not a training step: stock torch's, uncounted and never held back
+    if not optimizer.state and _DCP_STATE_DICT in sys.modules:
+        # DCP's get/set_state_dict fill a stateless optimizer's state with a step() at lr 0: not
+        # a training step (stock torch's, uncounted, never held back). Walked here, not in a
+        # helper: a plain SGD's every step comes by (tests/scopes/test_hot_path.py counts calls)
+        frame: FrameType | None = sys._getframe(1)
+        for _ in range(4):  # a few frames up, below torch's step wrapper
+            if frame is None:
+                break
+            if (frame.f_code.co_name == _FILLS_STATE
+                    and frame.f_globals.get("__name__") == _DCP_STATE_DICT):
+                return None
+            frame = frame.f_back
     session = stack.session
     hooks = stack.hooks
     record = session.optimizer_record(optimizer)
@@ -138,24 +150,6 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     if skip:
         return ((skipped_view(optimizer), *args[1:]), kwargs)
     return None
-
-
-_DCP_STATE_DICT = "torch.distributed.checkpoint.state_dict"
-_FILLS_STATE = "_init_optim_state"
-
-
-def _filling_state(frame: FrameType | None) -> bool:
-    """Whether this step() is the one torch.distributed.checkpoint's ``set_state_dict`` and
-    ``get_state_dict`` take, at lr 0 on zero gradients, to create a fresh optimizer's state
-    before loading into it (``_init_optim_state``): a few frames up, below torch's step wrapper."""
-    for _ in range(4):
-        if frame is None:
-            return False
-        if (frame.f_code.co_name == _FILLS_STATE
-                and frame.f_globals.get("__name__") == _DCP_STATE_DICT):
-            return True
-        frame = frame.f_back
-    return False
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

@@ -201,3 +201,24 @@ def test_a_resume_through_dcps_set_state_dict_is_not_a_step():
     resumed, steps_at_resume = lrs_of_a_run(resume=True)
     assert resumed == whole
     assert steps_at_resume == 2  # the two groups trained, not the optimizer's state being filled
+
+
+
+def test_loading_a_stateless_optimizer_through_dcp_is_not_a_step():
+    # plain SGD keeps no state: set_state_dict() fills it with a step() at lr 0 however often
+    # it is loaded, also in a loop that loads at each start (the step only counts before the
+    # first backward, where a resume loads)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    with accumulate(2):
+        model = MLP()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        saved_model, saved_opt = get_state_dict(model, opt)
+        set_state_dict(model, opt, model_state_dict=saved_model, optim_state_dict=saved_opt)
+        assert state().step == 0
+        for x, y in DataLoader(make_data(16), batch_size=4):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert state().step == 2
