@@ -5,10 +5,10 @@ themselves; wrapped as they are, every rank trains on the same tensors unless th
 slices them by rank, so W processes train W identical copies at W times the cost of one.
 
 From the job's first training forward through an engine, each forward notes a fingerprint of its
-inputs and the backward that follows notes its loss, all locally. The ranks exchange what a step noted at the next training forward, before it
-runs (one small all-gather, where every rank is anyway, as DDP's own start-up broadcast is): the
-backward and the first step run no collective of ours, so a rank that fails there is blamed as
-before. The inputs are "the same" only when every rank's inputs *and* loss are equal: a script
+inputs and the backward that follows notes its loss, all locally. The ranks exchange what a step
+noted at the next training forward, before it runs (one small all-gather, where every rank is
+anyway, as DDP's own start-up broadcast is): the backward and the first step run no collective
+of ours, so a rank that fails there is blamed as before. The inputs are "the same" only when every rank's inputs *and* loss are equal: a script
 that shares its inputs but gives each rank its own targets computes different losses. A fixed
 batch may be a warm-up: rank 0 warns once, naming the fixes, only when ``STEPS`` steps in a row
 were the same on every rank with no DataLoader. The first step that differs ends the check, and

@@ -177,9 +177,8 @@ _DYING_S = 2.0  # a killed process closes its sockets before /proc shows it gone
 
 def busy_elsewhere(records: dict[int, dict[str, Any]], me: int, doing: str
                    ) -> tuple[list[int], str, str] | None:
-    """Live ranks at this one's step that are in no collective and no wait of ours, while this
-    one timed out waiting for them (a write that hangs, a loop on that rank alone): the ranks
-    it waited for. A backward is left out: DDP waits for the others inside the autograd engine,
+    """Live ranks in no collective and no wait of ours while this one timed out waiting in
+    one (a write that hangs, a loop on that rank alone): the ranks it waited for. A backward is left out: DDP waits for the others inside the autograd engine,
     where no frame shows it."""
     busy = sorted(r for r, rec in records.items()
                   if r != me and rec.get("state") == _progress.RUNNING and not rec.get("waiting")
