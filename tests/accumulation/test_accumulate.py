@@ -203,11 +203,9 @@ def test_a_resume_through_dcps_set_state_dict_is_not_a_step():
     assert steps_at_resume == 2  # the two groups trained, not the optimizer's state being filled
 
 
-
 def test_loading_a_stateless_optimizer_through_dcp_is_not_a_step():
-    # plain SGD keeps no state: set_state_dict() fills it with a step() at lr 0 however often
-    # it is loaded, also in a loop that loads at each start (the step only counts before the
-    # first backward, where a resume loads)
+    # plain SGD keeps no state, so DCP fills it with a step() at lr 0 at every load; before
+    # the first backward (where a resume loads) that step was counted
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     torch.manual_seed(0)
