@@ -1,10 +1,10 @@
 """A rank's own random stream stays its own while its epoch's order is drawn from rank 0's.
 
-Scripts seed each rank differently (``manual_seed(s +
-rank)``) so that dropout, noise and augmentations differ between ranks; borrowing rank 0's
-global state for the order must not make every rank draw rank 0's numbers afterwards. So each
-rank's global generator is then put back to its own state, moved on by exactly as many words as
-building the epoch drew from it: where the same script under torchrun + DDP leaves it.
+Scripts seed each rank differently (``manual_seed(s + rank)``) so that dropout, noise and
+augmentations differ between ranks; borrowing rank 0's global state for the order must not make
+every rank draw rank 0's numbers afterwards. So each rank's global generator is then put back to
+its own state, moved on by exactly as many words as building the epoch drew from it: where the
+same script under torchrun + DDP leaves it.
 
 A loader's worker processes take their base seed from the rank's own stream too (as under DDP):
 it decides no order, and workers seeded from rank 0's state would give every rank rank 0's
