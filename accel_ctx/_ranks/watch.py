@@ -208,16 +208,28 @@ def log_metrics(metrics: Mapping[str, Any], step: int | None = None, *,
     if skipped:
         warn_user(f"log_metrics() skipped {skipped}: only numbers (and one-element tensors) "
                   "are logged.")
+    named = (f"log_metrics(directory={os.fspath(directory)!r})" if directory is not None
+             else f"log_metrics() (${METRICS_DIR_VAR})" if os.environ.get(METRICS_DIR_VAR)
+             else "log_metrics() (its default folder)")
     folder = Path(directory if directory is not None
                   else os.environ.get(METRICS_DIR_VAR) or _DEFAULT_DIR)
-    _to_csv(folder, values, step)
+    _to_csv(folder, values, step, named)
     _to_tensorboard(folder, values, step)
     _to_wandb(values, step)
     _to_mlflow(values, step)
 
 
-def _to_csv(folder: Path, values: dict[str, float], step: int) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
+def _to_csv(folder: Path, values: dict[str, float], step: int, named: str) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the folder, or a folder above it, is a file
+        file = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()),
+                    folder)
+        raise ConfigurationError(
+            f"{named}: {str(file)!r} is a file, not a folder. log_metrics writes metrics.csv "
+            "(and TensorBoard's events) into the folder it is given: give a folder (new or "
+            f"existing), e.g. directory={str(file.parent)!r} writes "
+            f"{str(file.parent / 'metrics.csv')!r}.") from None
     path = folder / "metrics.csv"
     new = not path.exists()
     now = time.time()
