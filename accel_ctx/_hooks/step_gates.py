@@ -23,12 +23,14 @@ import torch
 
 from .._kernel import state as _state
 from .._kernel.session import OptimizerRecord, Session
+from .._steps import schedule_length as _schedule_length
 from .._warn import warn_user
 
 VIEW_MARK = "_accel_ctx_skipped_step_view"
 _get_ident = threading.get_ident
 _read_stack = _state.read_stack
 _Optimizer = torch.optim.Optimizer
+_watched_in = _schedule_length.WATCHED.get
 # torch.distributed.checkpoint's function that steps a fresh optimizer at lr 0 to create its state
 _DCP_STATE_DICT, _FILLS_STATE = "torch.distributed.checkpoint.state_dict", "_init_optim_state"
 
@@ -184,6 +186,9 @@ def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
         return wrapped(*args, **kwargs)
     for before in stack.hooks.before_schedule:  # e.g. resumable() restores it first
         before(instance, stack.session)
+    job = stack.job
+    if job is not None and job.world_size > 1 and instance not in _watched_in(job.root, ()):
+        _schedule_length.watch(instance, job)  # a length kept from Accelerate's arithmetic
     if schedule_must_wait(stack.session, instance):
         return None
     return wrapped(*args, **kwargs)

@@ -31,3 +31,21 @@ def test_accelerate_logging_calls_work_as_there(ranks):
         f"[rank 1/{WORLD}] everyone's logger",
     ]
     assert logs[0]["funcs"] == logs[1]["funcs"] == ["accelerate_logging"]  # the caller's line
+
+
+def test_schedule_sized_by_accelerates_arithmetic_is_warned_about_once(ranks):
+    kept = [res["schedule_kept"] for res in ranks]
+    assert [k["steps"] for k in kept] == [3, 3]
+    (message,) = kept[0]["warnings"]  # once, on rank 0, naming the fix
+    assert "planned for 6 steps, 2 times the 3 optimizer steps" in message
+    assert "warmup of 2 steps" in message and "drop the `* num_processes`" in message
+    assert kept[1]["warnings"] == []
+    assert kept[0]["lr"] > 0  # the schedule ran W times too slowly: the decay never finished
+    dropped = [res["schedule_dropped"] for res in ranks]
+    assert [d["warnings"] for d in dropped] == [[], []]
+    assert [d["lr"] for d in dropped] == [0.0, 0.0]  # as Accelerate ends it: decayed to 0
+
+
+def test_schedule_length_is_not_checked_on_one_process():
+    kept = migrate.hf_clm_schedule(keep_accelerate_arithmetic=True)  # x world_size == x 1
+    assert kept["warnings"] == [] and kept["lr"] == 0.0
