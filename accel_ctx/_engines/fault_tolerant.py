@@ -37,10 +37,14 @@ from . import replica_events as _events
 from . import replica_quiet as _quiet
 from .buckets import reduce_in_buckets
 
+# the launcher's hint (_launch.replica_groups, a wing this layer does not import): no PyPI release
+FT_INSTALL = ("pip install 'torchft>=0.2' (the package of accel_ctx's ft extra: in the accel_ctx "
+              "clone `pip install -e '.[ft]'`, or `pip install 'accel-ctx[ft]'` where accel_ctx "
+              "is installed)")
 _NO_TORCHFT = (
     "this process was started in a replica group (TORCHFT_LIGHTHOUSE is set: accel-ctx launch "
-    "--replica-groups), which needs torchft: pip install 'accel-ctx[ft]' (torchft>=0.2), or "
-    "launch without --replica-groups.")
+    "--replica-groups), which needs torchft: " + FT_INSTALL + ", or launch without "
+    "--replica-groups.")
 
 
 def _torchft() -> Any:

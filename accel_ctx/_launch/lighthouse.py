@@ -24,12 +24,12 @@ from collections.abc import Sequence
 
 from ..errors import AccelCtxError, ConfigurationError
 from .config import fail
-from .replica_groups import start_lighthouse
+from .replica_groups import FT_INSTALL, start_lighthouse
 
 DEFAULT_PORT = 29510
 """Beside torchrun's 29500, as the groups' own rendezvous ports are (one machine: any)."""
-_NO_TORCHFT = ("the lighthouse is torchft's: pip install 'accel-ctx[ft]' (torchft>=0.2) on this "
-               "machine, then run `accel-ctx lighthouse` again.")
+_NO_TORCHFT = (f"the lighthouse is torchft's: {FT_INSTALL} on this machine, then run "
+               "`accel-ctx lighthouse` again.")
 _WILDCARDS = ("[::]", "0.0.0.0", "::")
 
 
@@ -41,7 +41,7 @@ def parser() -> argparse.ArgumentParser:
         "meet at (torchft's), in the foreground until Ctrl-C or SIGTERM. Start each group's "
         "launcher with `accel-ctx launch -n P --lighthouse HOST:PORT --replica-group I "
         "--replica-groups R script.py`, HOST:PORT as this command prints it. Needs "
-        "accel-ctx[ft].")
+        "torchft (accel_ctx's ft extra).")
     p.add_argument("--min-replicas", type=int, default=1, metavar="N",
                    help="groups that must be alive for a step to be taken (default 1: the "
                    "last group alive trains alone)")

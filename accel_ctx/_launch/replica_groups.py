@@ -27,9 +27,13 @@ from .._job import env as _env
 from ..errors import AccelCtxError, ConfigurationError
 from .settings import split_host_port
 
+# accel_ctx has no release on PyPI: torchft itself, or the extra from where accel_ctx was installed
+FT_INSTALL = ("pip install 'torchft>=0.2' (the package of accel_ctx's ft extra: in the accel_ctx "
+              "clone `pip install -e '.[ft]'`, or `pip install 'accel-ctx[ft]'` where accel_ctx "
+              "is installed)")
 _NO_TORCHFT = (
-    "--replica-groups needs torchft (its lighthouse and Manager): pip install 'accel-ctx[ft]' "
-    "(torchft>=0.2), or launch without --replica-groups.")
+    "--replica-groups needs torchft (its lighthouse and Manager): " + FT_INSTALL
+    + ", or launch without --replica-groups.")
 
 
 def wanted(settings: Mapping[str, object], environ: Mapping[str, str]) -> bool:

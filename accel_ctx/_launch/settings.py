@@ -194,7 +194,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="start R replica groups of -n processes each, and a torchft lighthouse: when a "
         "group fails the others go on at the same step, and the group (restarted with "
         "--max-restarts) heals from a live peer. With --lighthouse: the job's group count, "
-        "this launcher starting one of them. Needs accel-ctx[ft].",
+        "this launcher starting one of them. Needs torchft (accel_ctx's ft extra).",
         question="Fault-tolerant replica groups (1: none)",
         convert=lambda v: n if (n := _whole(v)) is not None and n >= 1 else None,
         fix="give a whole number, 1 or more", default=1, example="2",
@@ -205,7 +205,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="this launcher is one replica group's (--replica-group) of a job whose groups "
         "meet at the lighthouse that `accel-ctx lighthouse` runs at HOST:PORT (http:// "
         "optional), on any machine; it starts no lighthouse of its own and waits up to 30 s "
-        "for that one to answer. Needs accel-ctx[ft].",
+        "for that one to answer. Needs torchft (accel_ctx's ft extra).",
         question="Address of the replica groups' lighthouse: HOST:PORT",
         convert=_lighthouse, fix="give HOST:PORT, e.g. node0:29510 or http://node0:29510",
         example="node0:29510", asked=False,
