@@ -8,7 +8,9 @@ sharded, as DDP does for the whole model. A model built on ``meta`` is materiali
 module in module order, each initialised by its ``reset_parameters()`` from rank 0's random
 stream (every rank draws the same numbers, so the shards form one model, and rank 0 draws what
 one process would), and each block is sharded as soon as it is complete: no rank ever holds
-more than the root's own parameters and one block in full.
+more than the root's own parameters and one block in full. Touched before its first forward
+(``_engines.touch``), it is sharded on meta instead, as ``fully_shard`` would, for the script to
+give it values (``to_empty``, a loaded state dict); ``_engines.fsdp_meta`` has both paths.
 
 ``fully_shard`` replaces the parameters with sharded ones; the old ones are recorded in the
 job's :class:`~accel_ctx._job.job.Adoption` so that every optimizer, made before or after, is
@@ -18,6 +20,7 @@ pointed at the new ones (``_engines.adopt.adopt_optimizer``), its existing state
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
@@ -32,11 +35,13 @@ from .._kernel import state as _state
 from .._kernel.session import Session
 from ..errors import ConfigurationError, DistributedError
 from . import adopt as _adopt
+from . import fsdp_meta as _meta
 from . import records as _records
 from .fsdp_dtypes import settle_dtypes
 from .join import refuse_forward
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_as_built = threading.local()  # .on: sharding at a touch, a meta model stays on meta
 BlockSpec = tuple[type[nn.Module], ...] | Callable[[nn.Module], bool] | None
 """Which submodules are sharded on their own: classes, a predicate, or None (found)."""
 
@@ -100,7 +105,21 @@ def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, plan: 
     if not isinstance(engine, ShardedEngine):
         return module, None
     check_call(job, module, grad)
+    if _meta.waiting(module) and not getattr(_as_built, "on", False):
+        _meta.give_values(job, module, session)  # sharded on meta at a touch: values now
     return module, engine
+
+
+@contextlib.contextmanager
+def sharding_as_built() -> Iterator[None]:
+    """While open (a touch lays the model out), a model built on ``meta`` is sharded on meta, as
+    ``fully_shard`` would: the script gives it values (``_engines.fsdp_meta``)."""
+    before = getattr(_as_built, "on", False)
+    _as_built.on = True
+    try:
+        yield
+    finally:
+        _as_built.on = before
 
 
 def check_call(job: Job, module: nn.Module, grad: bool) -> None:
@@ -124,7 +143,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
     sharding = (dist.is_available() and dist.is_initialized() and job.world_size > 1
                 and any(True for _ in module.parameters()))
     if meta:
-        _check_meta_init(module)
+        _meta.check_meta_init(module)
     _check_blocks(module, plan.blocks)
     before = dict(module.named_parameters())
     settle_dtypes(module, find_blocks(module, plan.blocks), compute_dtype(), job.rank == 0)
@@ -134,7 +153,7 @@ def shard(job: Job, module: nn.Module, plan: ShardingPlan, session: Session
     if sharding:
         _shard(job, module, plan, meta)
     elif meta:  # one process: nothing to shard, but the model must exist
-        _materialise(module, [], job.device, lambda block: None)
+        _meta.materialise(module, [], job.device, lambda block: None)
     else:
         _adopt.move_to_device(job, module)  # as distributed() would
     _adopt.record_replaced(job, before, module)
@@ -152,9 +171,13 @@ def _shard(job: Job, module: nn.Module, plan: ShardingPlan, meta: bool) -> None:
     def shard_block(block: nn.Module) -> None:
         fully_shard(block, **options)
 
-    if meta:
-        with _rank0_random_stream(job):
-            _materialise(module, blocks, job.device, shard_block)
+    if meta and getattr(_as_built, "on", False):
+        for block in blocks:  # as fully_shard on meta: the script gives the values
+            shard_block(block)
+        _meta.note_waiting(module)
+    elif meta:
+        with _meta.rank0_random_stream(job):
+            _meta.materialise(module, blocks, job.device, shard_block)
     else:
         for block in blocks:
             broadcast_from_rank0(job, block)
@@ -276,72 +299,3 @@ def broadcast_from_rank0(job: Job, module: nn.Module) -> None:
         assert group is not None
         with torch.no_grad():
             _sync_params_and_buffers(group, [t.detach() for t in unique], 250 * 1024 * 1024, 0)
-
-
-# ---- models built on meta ------------------------------------------------------------------------
-def _check_meta_init(module: nn.Module) -> None:
-    """Every meta tensor must belong to a module that can initialise it: fail before sharding."""
-    for name, sub in module.named_modules():
-        direct = [k for k, v in chain(sub._parameters.items(), sub._buffers.items())
-                  if v is not None and v.is_meta]
-        if direct and not callable(getattr(sub, "reset_parameters", None)):
-            where = f"{name}." if name else ""
-            raise ConfigurationError(
-                f"the model was built on the meta device, but {type(sub).__name__} "
-                f"({where}{direct[0]}) has no reset_parameters() to give its tensors values "
-                "after sharding. Give the module a reset_parameters() that initialises them, "
-                "or build that part on a real device (torch.device('cpu')).")
-
-
-def _materialise(module: nn.Module, blocks: list[nn.Module], device: torch.device,
-                 shard_block: Callable[[nn.Module], None]) -> None:
-    """Give every meta tensor storage on ``device`` and values from its module's
-    ``reset_parameters()``, in module order; shard each block once it is complete."""
-    block_of: dict[int, nn.Module] = {}
-    left: dict[int, int] = {}
-    for block in blocks:
-        for sub in block.modules():
-            block_of.setdefault(id(sub), block)
-        left[id(block)] = sum(1 for _ in block.modules())
-    made: dict[int, torch.Tensor] = {}  # tied tensors get one storage, as in the model
-    for sub in module.modules():
-        touched = False
-        stores: tuple[dict[str, Any], ...] = (sub._parameters, sub._buffers)
-        for store in stores:
-            for key, value in list(store.items()):
-                if value is None or not value.is_meta:
-                    continue
-                new = made.get(id(value))
-                if new is None:
-                    empty = torch.empty_like(value, device=device)
-                    new = (nn.Parameter(empty, requires_grad=value.requires_grad)
-                           if isinstance(value, nn.Parameter) else empty)
-                    made[id(value)] = new
-                store[key] = new
-                touched = True  # tied: reset again, as the module that owns it last would
-        if touched:
-            with torch.no_grad():
-                sub.reset_parameters()  # type: ignore[operator]
-        owner = block_of.get(id(sub))
-        if owner is not None:
-            left[id(owner)] -= 1
-            if left[id(owner)] == 0:
-                shard_block(owner)
-
-
-@contextlib.contextmanager
-def _rank0_random_stream(job: Job) -> Iterator[None]:
-    """Every rank draws rank 0's random numbers; rank 0 draws from its own stream, as one
-    process would, and the other ranks' streams are left as they were."""
-    cuda = job.device.type == "cuda"
-    states: list[Any] = [torch.get_rng_state(),
-                         torch.cuda.get_rng_state(job.device) if cuda else None]
-    dist.broadcast_object_list(states, src=0)
-    if job.rank == 0:
-        yield
-        return
-    with torch.random.fork_rng(devices=[job.device] if cuda else []):
-        torch.set_rng_state(states[0])
-        if cuda:
-            torch.cuda.set_rng_state(states[1], job.device)
-        yield

@@ -6,7 +6,7 @@ after that sees the sharded model: an optimizer over ``model.parameters()``, ``m
 ``get_model_state_dict``/``set_model_state_dict``. Under ``sharded()`` (and ``tp=``) a model is
 sharded at its first forward, unless the script touches it before: then at that touch. A touch
 is a call of ``parameters``, ``named_parameters``, ``buffers``, ``named_buffers``,
-``state_dict`` or ``load_state_dict``:
+``state_dict``, ``load_state_dict`` or ``to_empty``:
 
 - made by the script itself or by DCP's state-dict functions; torch's own module code,
   accel_ctx and installed libraries (a ``from_pretrained`` building and loading a model) do not
@@ -16,7 +16,11 @@ is a call of ``parameters``, ``named_parameters``, ``buffers``, ``named_buffers`
 - on any part of it: the outermost module it was built into (seen through torch's module
   registration hook while a scope is open) is the one sharded.
 
-A model built on ``meta`` is left to its first forward, which gives it values and shards it.
+A model built on ``meta`` is sharded there on ``meta`` under ``sharded()``, as ``fully_shard``
+would: its parameters are meta DTensors for the script to give values to (``to_empty()``
+and ``reset_parameters()``, or a full state dict loaded with ``assign=True`` or through DCP),
+and what is still on meta at its first forward is initialised then (``_engines.fsdp_meta``).
+Under ``tp=`` or in one process a meta model is left to its first forward, as before.
 """
 
 from __future__ import annotations
@@ -34,11 +38,12 @@ from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.session import Session
 from . import adopt as _adopt
+from . import fsdp as _fsdp
 from . import records as _records
-from .choice import EngineChoice
+from .choice import EngineChoice, Sharded
 
 TOUCHES = ("parameters", "named_parameters", "buffers", "named_buffers", "state_dict",
-           "load_state_dict")
+           "load_state_dict", "to_empty")
 """The ``nn.Module`` methods that count as a touch (patched in ``_hooks.patches``)."""
 
 _parents: dict[int, tuple[weakref.ref[nn.Module], weakref.ref[nn.Module]]] = {}
@@ -120,12 +125,16 @@ def lay_out_at_touch(job: Job, engines: EngineChoice, module: nn.Module, session
             or _adopt.managed_elsewhere(root)):  # the user's own engine (DataParallel too)
         return
     tensors = [*root.parameters(), *root.buffers()]
-    if not tensors or any(t.is_meta for t in tensors):
-        return  # nothing to shard, or built on meta: its first forward gives it values
+    if not tensors:
+        return  # nothing to shard
+    meta = any(t.is_meta for t in tensors)
+    if meta and (job.world_size == 1 or not isinstance(engines, Sharded)):
+        return  # nothing to shard here, or tp=: its first forward gives it values
     if job.world_size > 1 and _state.rank_only() is not None:
         return  # sharding is collective: the first forward on every rank does it
     _busy.on = True
     try:
-        engines.prepare(job, root, True, session)
+        with _fsdp.sharding_as_built():
+            engines.prepare(job, root, True, session)
     finally:
         _busy.on = False
