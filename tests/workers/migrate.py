@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
+import os
 import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data.distributed import DistributedSampler
 
-from accel_ctx import accumulate, distributed, get_logger, state
+from accel_ctx import accumulate, distributed, gather, get_logger, state, wait_for_everyone
+from accel_ctx.errors import CheckpointError
 
 
 class _ListHandler(logging.Handler):
@@ -87,7 +95,108 @@ def hf_clm_schedule(keep_accelerate_arithmetic: bool) -> dict[str, Any]:
             "lr": lr_scheduler.get_last_lr()[0], "steps": completed_steps}
 
 
-def run_all() -> dict[str, Any]:
-    return {"logging": accelerate_logging(),
+def _net() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def ddp_checkpoint(tmp_dir: str) -> dict[str, Any]:
+    """pytorch/examples' imagenet/main.py: the DDP version saves ``model.state_dict()`` of its
+    DDP wrapper; the migrated version (no DDP) loads it into its model, adopted by a first step."""
+    path = os.path.join(tmp_dir, "checkpoint.pth.tar")
+    with distributed():
+        wrapped = DistributedDataParallel(_net())
+        if state().rank == 0:
+            torch.save({"epoch": 1, "state_dict": wrapped.state_dict()}, path)
+        saved = {k: v.clone() for k, v in wrapped.module.state_dict().items()}
+        wait_for_everyone()
+        model = _net()
+        torch.nn.init.zeros_(model[0].weight)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 0, 1])).backward()
+        opt.step()
+        checkpoint = torch.load(path, weights_only=True)
+        try:
+            model.load_state_dict(checkpoint["state_dict"])
+            refused = ""
+        except CheckpointError as exc:
+            refused = str(exc)
+        copy.deepcopy(model)  # the hook pickles and copies with the model
+        consume_prefix_in_state_dict_if_present(checkpoint["state_dict"], "module.")
+        model.load_state_dict(checkpoint["state_dict"])
+        loaded = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
+        model.load_state_dict(wrapped.module.state_dict(), strict=False)  # other loads: as torch's
+    return {"refused": refused, "loaded": loaded,
+            "hooks_after": len(model._load_state_dict_pre_hooks)}
+
+
+def fabric_gather() -> dict[str, Any]:
+    """Fabric's image-classifier example: `test_loss = fabric.all_gather(test_loss).sum()`."""
+    with distributed():
+        test_loss = 0.25 * (state().rank + 1)
+        as_row = gather(torch.tensor(test_loss)).sum().item()
+        bare = gather(test_loss)
+    return {"as_row": as_row, "bare": bare}
+
+
+def accelerate_order() -> dict[str, Any]:
+    """The Accelerate guide's recipe for Accelerate's order on several processes: the batches
+    each rank gets, and those Accelerate's prepare() deals (its RandomSampler's own generator
+    seeded from the global one at prepare, rank r taking batch r of every W)."""
+    dataset = torch.arange(16.0)
+    with distributed():
+        torch.manual_seed(3)
+        generator = torch.Generator()
+        generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+        loader = DataLoader(dataset, batch_size=2,
+                            sampler=RandomSampler(dataset, generator=generator))
+        seen = [[x.tolist() for x in loader] for _epoch in range(2)]
+        world, rank = state().world_size, state().rank
+    torch.manual_seed(3)
+    theirs = torch.Generator()
+    theirs.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+    expected = []
+    for _epoch in range(2):
+        order = torch.tensor(list(RandomSampler(dataset, generator=theirs)), dtype=torch.float32)
+        batches = order.split(2)
+        expected.append([b.tolist() for b in batches[rank::world]])
+    return {"seen": seen, "expected": expected}
+
+
+def ddp_sampler_orders() -> dict[str, Any]:
+    """What the DDP guide says of DistributedSampler, kept and dropped: the batches each rank
+    gets over two epochs, and those the guide's description of each gives."""
+    dataset, seed, size = torch.arange(18.0), 5, 2
+    with distributed():
+        world, rank = state().world_size, state().rank
+        sampler = DistributedSampler(dataset, shuffle=True, seed=seed)
+        kept = DataLoader(dataset, batch_size=size, sampler=sampler)
+        seen_kept = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            seen_kept.append([x.tolist() for x in kept])
+        torch.manual_seed(9)
+        dropped = DataLoader(dataset, batch_size=size, shuffle=True)
+        seen_dropped = [[x.tolist() for x in dropped] for _epoch in range(2)]
+    expected_kept = []
+    for epoch in range(2):
+        order = torch.randperm(18, generator=torch.Generator().manual_seed(seed + epoch))
+        padded = torch.cat([order, order[: -len(order) % world]])  # to a multiple of W
+        expected_kept.append([b.tolist() for b in padded[rank::world].float().split(size)])
+    torch.manual_seed(9)
+    one_process = DataLoader(dataset, batch_size=size, shuffle=True)
+    expected_dropped = []
+    for _epoch in range(2):
+        batches = [x.tolist() for x in one_process]
+        batches += batches[: -len(batches) % world]  # a short last round: the first batches
+        expected_dropped.append(batches[rank::world])
+    return {"kept": seen_kept == expected_kept, "dropped": seen_dropped == expected_dropped,
+            "differ": seen_kept != seen_dropped}
+
+
+def run_all(tmp_dir: str) -> dict[str, Any]:
+    return {"logging": accelerate_logging(), "ddp_checkpoint": ddp_checkpoint(tmp_dir),
+            "fabric_gather": fabric_gather(), "accelerate_order": accelerate_order(),
+            "ddp_sampler": ddp_sampler_orders(),
             "schedule_kept": hf_clm_schedule(keep_accelerate_arithmetic=True),
             "schedule_dropped": hf_clm_schedule(keep_accelerate_arithmetic=False)}

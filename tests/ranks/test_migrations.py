@@ -1,4 +1,5 @@
-"""Scripts moved from Accelerate keep working: its logging calls, its scheduler arithmetic."""
+"""Scripts moved from Accelerate, DDP and Fabric keep working: Accelerate's logging calls and
+scheduler arithmetic and order, a DDP version's checkpoint, Fabric's gather of a number."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return spawn(migrate.run_all, WORLD, tmp_path_factory.mktemp("migrate"))
+    tmp = tmp_path_factory.mktemp("migrate")
+    return spawn(migrate.run_all, WORLD, tmp, str(tmp))
 
 
 def test_accelerate_logging_calls_work_as_there(ranks):
@@ -49,3 +51,28 @@ def test_schedule_sized_by_accelerates_arithmetic_is_warned_about_once(ranks):
 def test_schedule_length_is_not_checked_on_one_process():
     kept = migrate.hf_clm_schedule(keep_accelerate_arithmetic=True)  # x world_size == x 1
     assert kept["warnings"] == [] and kept["lr"] == 0.0
+
+
+def test_a_ddp_versions_checkpoint_says_what_it_is_and_how_to_load_it(ranks):
+    for res in ranks:
+        got = res["ddp_checkpoint"]
+        assert "saved from a DistributedDataParallel wrapper" in got["refused"]
+        assert "consume_prefix_in_state_dict_if_present(state_dict, 'module.')" in got["refused"]
+        assert got["loaded"]  # the fix the message names loads it
+        assert got["hooks_after"] == 0  # nothing of ours left on the model after the scope
+
+
+def test_fabric_all_gather_of_a_number_as_the_guide_maps_it(ranks):
+    for res in ranks:
+        assert res["fabric_gather"] == {"as_row": 0.75, "bare": [0.25, 0.5]}
+
+
+def test_the_guides_recipe_gives_accelerates_order(ranks):
+    for res in ranks:
+        order = res["accelerate_order"]
+        assert order["seen"] == order["expected"]
+
+
+def test_the_ddp_guides_account_of_distributed_sampler_kept_and_dropped(ranks):
+    for res in ranks:
+        assert res["ddp_sampler"] == {"kept": True, "dropped": True, "differ": True}
