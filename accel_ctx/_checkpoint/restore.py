@@ -230,3 +230,18 @@ def new_group(world: int, timeout: timedelta | None = None) -> Any:
         return None
     return dist.new_group(backend="gloo", timeout=timeout)
 
+
+
+def unrestored(folder: Path, checkpoint: Checkpoint, kinds: set[str], met: set[str]) -> str | None:
+    """What a run that took no step says of the entries of ``kinds`` it did not meet: they are
+    restored when the loop meets them, and code after the loop (saving the model, evaluating
+    it) would see what the script built."""
+    unmet = sorted(name for name in checkpoint.names
+                   if name.rstrip("0123456789") in kinds and name not in met)
+    if not unmet:
+        return None
+    return (f"resumable({folder}): {', '.join(unmet)} of checkpoint {checkpoint.folder.name} "
+            "were not restored: the loop took no step, so it met none of them, and after the "
+            "loop they hold what the script built, not the trained state. Pass them to "
+            "run.track() as you build them (e.g. run.track(net=model, opt=optimizer)) to have "
+            f"them restored at once, or read them with load_state({str(folder)!r}, ...).")

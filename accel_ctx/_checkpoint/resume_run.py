@@ -153,19 +153,9 @@ class ResumeRuntime(Concern):
             _state._STACK.reset(token)
 
     def _say_unrestored(self, checkpoint: Checkpoint) -> None:
-        # Objects are restored when the loop meets them; a run that took no step met none, and
-        # code after the loop (saving the model, evaluating it) would see what the script built.
         met = {*self.keys.values(), *self.tracked}
-        unmet = sorted(name for name in checkpoint.names
-                       if name.rstrip("0123456789") in self.met and name not in met)
-        if unmet:
-            self._say(
-                f"resumable({self.folder}): {', '.join(unmet)} of checkpoint "
-                f"{checkpoint.folder.name} were not restored: the loop took no step, so it met "
-                "none of them, and after the loop they hold what the script built, not the "
-                "trained state. Pass them to run.track() as you build them (e.g. "
-                "run.track(net=model, opt=optimizer)) to have them restored at once, or read "
-                f"them with load_state({str(self.folder)!r}, ...).")
+        if (text := _restore.unrestored(self.folder, checkpoint, set(self.met), met)) is not None:
+            self._say(text)
 
     def _say(self, text: str) -> None:
         if self.rank == 0:
@@ -305,22 +295,31 @@ class ResumeRuntime(Concern):
             flags = torch.tensor([signum, int(due)], dtype=torch.int64)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             signum, due = int(flags[0]), bool(flags[1])
+        held = self.unsavable(session)  # a restart could not go on from this step
         if signum:
             self.signals.boundary_reached = True
             name = signal.Signals(signum).name
             self.saver.wait()  # a save under way publishes first
-            path = self.save(f"on {name}", wait=True) \
-                if self.saver.last_saved != session.step else self.saver.last_path
-            where = f"saved {path}" if path is not None else "the save failed (see above)"
-            message = (f"resumable({self.folder}): {name} received: {where} at step "
-                       f"{session.step}; exiting with code {128 + signum} for the launcher to "
-                       "restart the run.")
+            held = held and self.unsavable(session)  # naming it
+            path = self.save(f"on {name}", wait=True) if not held and \
+                self.saver.last_saved != session.step else self.saver.last_path
+            where = held or (f"saved {path}" if path is not None else
+                             "the save failed (see above)") + f" at step {session.step}"
+            message = (f"resumable({self.folder}): {name} received: {where}; exiting with code "
+                       f"{128 + signum} for the launcher to restart the run.")
             if self.rank == 0:
                 message += requeue()
                 print(f"accel_ctx {message}", file=sys.stderr, flush=True)
             raise Preempted(signum, message)
         if due:
-            self.save()
+            self.defer() if held else self.save()
+
+    def unsavable(self, session: Session) -> str:
+        """Why this step's state cannot be resumed from ("": it can; see resumable_entry)."""
+        return ""
+
+    def defer(self) -> None:
+        """A save due where ``unsavable()``: taken at the next step it can be."""
 
     def objects(self) -> dict[str, Any]:
         out: dict[str, Any] = {}

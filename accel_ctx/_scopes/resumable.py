@@ -112,6 +112,7 @@ class resumable(Scope):
     @override
     def _open(self, exits: ExitStack) -> Concern:
         runtime = make(self._folder, self._every_steps, self._every_minutes, self._keep_last)
+        runtime.hold = self._origin is not self  # a decorated call
 
         def close(exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
             try:
@@ -163,7 +164,7 @@ class resumable(Scope):
         restores the RNG streams: read it at the top of the loop, after the model is built."""
         runtime = self._runtime(after_the_block=True)
         if runtime.opened:
-            runtime.step_first = runtime.step_first or not runtime.loader_seen
+            runtime.noted_read()
             runtime.step_read()
         return runtime.session.step
 
@@ -198,8 +199,10 @@ class resumable(Scope):
         meta = runtime.meta
         for epoch in range(runtime.start_epoch(), n):
             meta.next_epoch = epoch
+            runtime.epoch_start = runtime.session.step
             yield epoch
             meta.next_epoch = epoch + 1
+            runtime.epoch_ended()
 
     def track(self, **objects: Any) -> None:
         """Save and restore more objects, by name: anything with ``state_dict`` /

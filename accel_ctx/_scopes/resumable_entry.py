@@ -30,27 +30,19 @@ from .._kernel import state as _state
 from .._kernel.concern import ForwardCall
 from .._kernel.session import Session
 from ..errors import CheckpointError, ConfigurationError, LaunchEnvironmentError
+from .resumable_loop import LoopRun
 
 RUN_LOCK = ".run.lock"
 log = logging.getLogger("accel_ctx.checkpoint")
 
 
-class Run(ResumeRuntime):
+class Run(LoopRun):
     """A ``resumable()`` entry's runtime, with what its entry and ``run`` note about the loop."""
 
     pending: Callable[[], None] | None = None  # opens the folder: deferred to the first need
     entered = False
-    epochs_called = False  # run.epochs() was iterated
-    step_first = False  # run.step was read before the first loader iteration
-    loader_seen = False
     loader_hooks: tuple[Any, ...] = ()  # ours in the session's loader hooks (shared with
     # the scopes outside): taken out as the entry ends
-
-    @override
-    def snapshot(self) -> dict[str, Any]:
-        # state() read before the loop (`while state().step < N`): a loop bound by steps
-        self.step_first = self.step_first or not self.loader_seen
-        return super().snapshot()
 
     def need(self) -> None:
         """The loop needs the run: open the folder if its opening was deferred."""
@@ -194,32 +186,16 @@ def open_run(runtime: Run, stack: _state.Stack) -> None:
     # while restoring would lose nothing, but could not say why it ended).
     runtime.uninstall = runtime.signals.install()
     runtime.open(stack, checkpoint, group, rank, world)
-    hook = functools.partial(_loop_met, runtime)
+    hook = runtime.loop_met
     stack.session.loader_hooks.append(hook)
     runtime.loader_hooks = (hook,)
     if checkpoint is not None and rank == 0 and not runtime.meta.finished:  # it said so
         log.warning("resumable(%s): resuming from %s (step %d, epoch %d)%s", root,
-                    checkpoint.folder.name, checkpoint.step, checkpoint.epoch,
+                    checkpoint.folder.name, checkpoint.step, runtime.start_epoch(),
                     "" if checkpoint.same_world else
                     f"; resumed on {world} processes, the checkpoint was written by "
                     f"{checkpoint.saved_world}: the data not yet seen is split among {world}, so "
                     "the run continues correctly but not bit-identically")
-
-
-def _loop_met(runtime: Run, loader: Any, record: Any) -> None:
-    """A loader's first iteration: a resumed run whose loop counts its epochs itself."""
-    if runtime.loader_seen:
-        return
-    runtime.loader_seen = True
-    checkpoint = runtime.checkpoint
-    if (checkpoint is None or runtime.epochs_called or runtime.step_first or runtime.rank != 0
-            or not any(int(e["epoch"]) > 0 for e in checkpoint.shared["loaders"])):
-        return
-    log.warning(
-        "resumable(%s): resumed at step %d, past the first epoch's start, but this loop "
-        "counts its epochs itself: `for epoch in range(n)` starts again at epoch 0 and trains "
-        "more epochs than the run was to. Count them with `for epoch in run.epochs(n)` (or "
-        "loop on run.step: `while run.step < max_steps`).", runtime.folder, checkpoint.step)
 
 
 def _drop_loader_hooks(runtime: Run, session: Session) -> None:

@@ -1,0 +1,65 @@
+"""resumable() on a loop whose batches come from no DataLoader, in the forms users write
+(issue 52): the decorator on a fixed-count loop, the docs' decorated ``run.epochs()`` loop over
+a tensor of batches, and the same loop in the ``with`` form."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from .. import _launcher
+
+SCRIPT = str(_launcher.SCRIPTS / "resumable_forms.py")
+
+
+def _python(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                          timeout=300, env={**_launcher.os.environ, "OMP_NUM_THREADS": "1",
+                                            "PYTHONPATH": str(_launcher.ROOT)})
+
+
+def _field(text: str, name: str) -> list[str]:
+    return next(line.split()[1:] for line in text.splitlines() if line.startswith(name))
+
+
+def _newest(folder: Path) -> list[str]:
+    newest = sorted(folder.glob("ckpt-*"))[-1]
+    return json.loads((newest / "manifest.json").read_text())["objects"]
+
+
+def test_loops_over_a_tensor_of_batches_resume_exactly_or_are_refused_at_once(tmp_path):
+    whole = _python(str(tmp_path / "whole"), "with", "0")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert _field(whole.stdout, "STEP") == ["16"]
+    # The docs' decorated form, stopped in its second epoch: the epoch's steps since its start
+    # cannot be skipped by a loop over a tensor, so the restart trains that epoch again from
+    # the checkpoint at its start (the periodic saves inside it waited for its end): exact.
+    folder = str(tmp_path / "docs")
+    stopped = _python(folder, "docs", "11")
+    assert stopped.returncode == 128 + 15, stopped.stderr[-3000:]
+    assert "step 11 was not saved" in stopped.stderr and "ckpt-" in stopped.stderr
+    resumed = _python(folder, "docs", "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stderr and "(step 8, epoch 1)" in resumed.stderr
+    assert _field(resumed.stdout, "STEP") == ["16"]
+    assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")
+    # @resumable(d) on a fixed-count loop: its final checkpoint, written after the function
+    # returned, holds the model and the optimizer; started again, the loop (which knows
+    # neither its step nor its epoch) is refused before it trains its steps again.
+    folder = str(tmp_path / "fixed")
+    first = _python(folder, "fixed", "0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert {"model0", "optimizer0"} <= set(_newest(Path(folder)))
+    again = _python(folder, "fixed", "0")
+    assert again.returncode != 0 and "ConfigurationError" in again.stderr, again.stderr[-3000:]
+    assert "state().step" in again.stderr and "run.epochs(n)" in again.stderr
+
+
+def test_a_resumed_loop_counting_epochs_with_range_after_a_state_read_is_warned(tmp_path):
+    folder = str(tmp_path / "range")
+    assert _python(folder, "range", "10").returncode == 128 + 15  # epoch 1, its 3rd batch
+    resumed = _python(folder, "range", "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("run.epochs(n)") == 1, resumed.stderr[-3000:]

@@ -1,0 +1,82 @@
+"""resumable() on loops whose batches come from no DataLoader, in the forms users write: the
+script of tests/resumable/test_resumable_forms.py (issue 52).
+
+usage: resumable_forms.py FOLDER FORM STOP_AT
+FORM: ``fixed`` (``@resumable(d)`` on a function whose loop is ``for x in xs:``), ``docs`` (the
+docs' ``run = resumable(d)``, ``@run``, ``for epoch in run.epochs(2): for x in xs:``), ``with``
+(the same loop in ``with resumable(d) as run:``), ``range`` (a DataLoader, its epochs counted
+with ``range(3)`` after a ``state()`` read, as most scripts do). The loop sends itself SIGTERM after its step
+STOP_AT (0: never). Prints ``STEP n`` and ``WEIGHTS`` (the parameters' sums, in hex).
+"""
+
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from accel_ctx import resumable, state
+
+folder, form, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+xs = torch.randn(8, 4, 4)  # 8 batches: the epoch
+done = [0]
+
+
+def step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+    done[0] += 1
+    if done[0] == stop_at:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.3), nn.Linear(8, 1))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+if form == "fixed":
+    @resumable(folder, every_steps=3)
+    def train_fixed() -> nn.Module:
+        model, opt = build()
+        for x in xs:
+            step(model, opt, x)
+        return model
+
+    model = train_fixed()
+    steps = done[0]
+elif form == "docs":
+    run = resumable(folder, every_steps=3)
+
+    @run
+    def train() -> nn.Module:
+        model, opt = build()
+        for _epoch in run.epochs(2):
+            for x in xs:
+                step(model, opt, x)
+        return model
+
+    model = train()
+    steps = run.step
+elif form == "range":
+    with resumable(folder, every_steps=2) as run:
+        print(f"rank {state().rank} of {state().world_size}")
+        model, opt = build()
+        loader = DataLoader(TensorDataset(xs.reshape(32, 4)), batch_size=4, shuffle=True)
+        for _epoch in range(3):
+            for (x,) in loader:
+                step(model, opt, x)
+    steps = run.step
+else:
+    with resumable(folder, every_steps=3) as run:
+        model, opt = build()
+        for _epoch in run.epochs(2):
+            for x in xs:
+                step(model, opt, x)
+    steps = run.step
+print("STEP", steps)
+print("WEIGHTS", " ".join(p.detach().sum().item().hex() for p in model.parameters()))
