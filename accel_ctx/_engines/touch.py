@@ -138,3 +138,67 @@ def lay_out_at_touch(job: Job, engines: EngineChoice, module: nn.Module, session
             engines.prepare(job, root, True, session)
     finally:
         _busy.on = False
+
+
+_FSDP_NAMES: frozenset[str] | None = None
+
+
+def fsdp_names() -> frozenset[str]:
+    """The public methods of FSDP2's ``FSDPModule`` (``unshard``, ``set_modules_to_forward_prefetch``...)."""
+    global _FSDP_NAMES
+    if _FSDP_NAMES is None:
+        from torch.distributed.fsdp import FSDPModule
+
+        _FSDP_NAMES = frozenset(n for n in vars(FSDPModule) if not n.startswith("_"))
+    return _FSDP_NAMES
+
+
+def fsdp_attribute(module: nn.Module, name: str, caller: types.FrameType) -> object:
+    """``module.<name>`` found nothing and ``name`` is one of FSDP2's methods: a touch (the model
+    is sharded now, as ``fully_shard`` would have done before), then the method; or, where the
+    model is not sharded by this touch, an ``AttributeError`` saying why and what to do.
+
+    Called by ``nn.Module.__getattr__``'s misses (``_engines.ddp_controls``) with the frame of the
+    line that asked; a library's own probe (``hasattr(model, "unshard")``) shards nothing."""
+    stack = _state.current()
+    if stack is not None:
+        for hook in stack.hooks.before_touch:
+            hook(module, stack.session, caller)
+    if hasattr(type(module), name):  # sharded now (its class is FSDP2's): the bound method
+        return object.__getattribute__(module, name)
+    raise AttributeError(_why_not_sharded(module, name, caller, stack))
+
+
+def _why_not_sharded(module: nn.Module, name: str, caller: types.FrameType,
+                     stack: _state.Stack | None) -> str:
+    kind = type(module).__name__
+    plain = f"'{kind}' object has no attribute '{name}'"
+    if stack is None:
+        return plain  # no scope of this thread: torch's own answer
+    job = stack.job
+    if job is None or not stack.hooks.before_touch:
+        return (f"{plain}: {name}() is FSDP2's (FSDPModule), and no sharded() scope is open "
+                "here to shard this model (under distributed() alone it trains with DDP, which "
+                "has no such method). Build and train the model inside sharded() (with "
+                "distributed(), sharded(): ...).")
+    if not _by_the_script(caller):
+        return plain
+    if job.world_size == 1:
+        return (f"{plain}: {name}() is FSDP2's (FSDPModule), and in one process sharded() "
+                "shards nothing, so the model has none of FSDP2's methods. Call it only where "
+                "the model is sharded: `if isinstance(model, FSDPModule): model."
+                f"{name}(...)` (from torch.distributed.fsdp import FSDPModule).")
+    if _state.rank_only() is not None:
+        return (f"{plain} yet: {name}() is FSDP2's, and sharding the model here would be a "
+                "collective in code only some ranks run (on_main_process & co.). Call it on "
+                "every rank, or touch the model on every rank first (model.parameters()).")
+    if _under_construction(caller):
+        return (f"{plain} yet: {name}() is FSDP2's, and the model is still being built (a "
+                "module's __init__ is running): sharded() shards it once built. Call it after "
+                "the model's construction.")
+    if _records.module_record(module) is not None:
+        return (f"{plain}: {name}() is FSDP2's, and this {kind} is part of a sharded model "
+                "but not sharded on its own (sharded() shards the blocks, then the model). Call "
+                f"it on a block or on the model, or name {kind} in sharded(blocks=[{kind}]).")
+    return (f"{plain}: {name}() is FSDP2's, and this {kind} is not sharded by sharded() (its "
+            "model has nothing to shard, or another engine manages it).")

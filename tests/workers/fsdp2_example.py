@@ -349,6 +349,10 @@ class Args:
     explicit_prefetching: bool = False
     mixed_precision: bool = False
     dcp_api: bool = False
+    train_order: bool = False
+    """train.py's order: values (or the checkpoint) first, then inspect, prefetching, optimizer."""
+    methods_first: bool = False
+    """FSDP2's prefetching set before anything else touches the model."""
 
 
 VOCAB, BATCH, SEQ, STEPS = 64, 4, 16, 3
@@ -373,10 +377,15 @@ def main(args: Args, folder: str, by_hand: bool) -> dict[str, Any]:
         for layer in model.layers:
             fully_shard(layer, **fsdp_kwargs)
         fully_shard(model, **fsdp_kwargs)
-    out: dict[str, Any] = {"placements": inspect_model(model)}
-    if args.explicit_prefetching:
+    out: dict[str, Any] = {}
+    if args.methods_first:
         set_modules_to_forward_prefetch(model, num_to_forward_prefetch=2)
         set_modules_to_backward_prefetch(model, num_to_backward_prefetch=2)
+    if not args.train_order:
+        out["placements"] = inspect_model(model)
+        if args.explicit_prefetching:
+            set_modules_to_forward_prefetch(model, num_to_forward_prefetch=2)
+            set_modules_to_backward_prefetch(model, num_to_backward_prefetch=2)
     checkpointer = Checkpointer(folder, dcp_api=args.dcp_api)
     out["resumed"] = checkpointer.last_training_time is not None
     if checkpointer.last_training_time is None:
@@ -386,8 +395,13 @@ def main(args: Args, folder: str, by_hand: bool) -> dict[str, Any]:
             layer.reset_parameters()
     else:
         checkpointer.load_model(model)
+    if args.train_order:
+        out["placements"] = inspect_model(model)
     if args.mixed_precision:
         out["gathered"] = inspect_mixed_precision(model)
+    if args.train_order and args.explicit_prefetching:
+        set_modules_to_forward_prefetch(model, num_to_forward_prefetch=2)
+        set_modules_to_backward_prefetch(model, num_to_backward_prefetch=2)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     if checkpointer.last_training_time is not None:
         checkpointer.load_optim(model, optim)
@@ -414,7 +428,12 @@ CONFIGS = {
     "dcp": Args(dcp_api=True),
     "dcp prefetch bf16": Args(explicit_prefetching=True, mixed_precision=True, dcp_api=True),
     "dtensor bf16": Args(mixed_precision=True),
+    # train.py's order: to_empty(), or the Checkpointer's state_dict()/DCP call, touches first
+    "train.py dcp prefetch": Args(dcp_api=True, explicit_prefetching=True, train_order=True),
+    "train.py dtensor": Args(train_order=True),
 }
+METHODS_FIRST = {"dtensor methods first": Args(explicit_prefetching=True, methods_first=True)}
+"""Needs FSDP2's method names answered by nn.Module.__getattr__'s misses (_engines.touch)."""
 
 
 def _saved(folder: str, args: Args) -> dict[str, Any]:
@@ -450,7 +469,7 @@ def example(folder: str, names: list[str]) -> dict[str, Any]:
     """Each configuration twice (from scratch, then resumed), by hand and under sharded()."""
     out: dict[str, Any] = {}
     for name in names:
-        args = CONFIGS[name]
+        args = {**CONFIGS, **METHODS_FIRST}[name]
         for side in ("by hand", "sharded()"):
             where = os.path.join(folder, name.replace(" ", "-"), side.strip("()").replace(" ", "-"))
             for run in ("fresh", "resumed"):
@@ -463,4 +482,30 @@ def example(folder: str, names: list[str]) -> dict[str, Any]:
                     continue
                 result["saved"] = _saved(where, args)
                 out[f"{name} / {side} / {run}"] = result
+    return out
+
+
+def messages() -> dict[str, str | None]:
+    """FSDP2's methods where the model is not sharded: each says why and what to do."""
+
+    def error_of(fn: Any) -> str | None:
+        try:
+            fn()
+        except AttributeError as exc:
+            return str(exc)
+        return None
+
+    from accel_ctx import on_main_process
+
+    small = ModelArgs(n_layers=2, vocab_size=VOCAB, dropout_p=0)
+    out: dict[str, str | None] = {}
+    with distributed(timeout=scaled(60)):
+        model: Any = Transformer(small)
+        out["ddp"] = error_of(lambda: model.unshard())
+    with distributed(timeout=scaled(60)), sharded():
+        model = Transformer(small)
+        out["rank_only"] = error_of(lambda: on_main_process(lambda: model.unshard())())
+        out["hasattr"] = str(hasattr(model, "reshard"))  # sharded now, on every rank
+        out["inner"] = error_of(lambda: model.layers[0].attention.set_modules_to_forward_prefetch([]))
+        out["block"] = error_of(lambda: model.layers[0].set_modules_to_forward_prefetch([]))
     return out
