@@ -46,9 +46,14 @@ class sharded(Scope):
     (``DTensor``): read full weights with ``save_model`` inside the scope. The model stays
     sharded after the scope ends, on a process group that is gone: use it inside the scope.
 
-    A model built on ``torch.device("meta")`` gets its memory and values after sharding: each
-    module's ``reset_parameters()`` runs in module order, from rank 0's random stream, and each
-    block is sharded as soon as it is made, so no rank ever holds the whole model.
+    A model built on ``torch.device("meta")`` and touched before its first forward is sharded on
+    meta at that touch, as ``fully_shard`` would (``model.to_empty(device=...)`` and FSDP2's
+    methods such as ``set_modules_to_forward_prefetch`` count), for the script to give it values
+    as FSDP2's scripts do: ``to_empty`` and ``reset_parameters()``, or a full state dict loaded
+    with ``assign=True`` or DCP's ``set_model_state_dict``. What is still on meta at its first
+    forward gets its values there: each module's ``reset_parameters()`` runs in module order,
+    from rank 0's random stream (one process's values), block by block, so no rank ever holds
+    the whole model.
 
     Args:
         blocks: the classes of the submodules to shard on their own, or a predicate
