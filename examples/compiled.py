@@ -63,8 +63,9 @@ def main() -> None:
                 opt.step()                             # every 2nd micro-batch
                 opt.zero_grad()
             main_print(f"epoch {epoch}: loss {loss.item():.4f}")
-    main_print(f"done: {type(model).__name__} {list(model.state_dict())[:2]}, "
-               f"{len(graphs)} graph(s) compiled")
+        # inside the scope: main_print knows the rank there (outside, every process is rank 0)
+        main_print(f"done: {type(model).__name__} {list(model.state_dict())[:2]}, "
+                   f"{len(graphs)} graph(s) compiled")
 
 
 if __name__ == "__main__":

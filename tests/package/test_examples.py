@@ -135,6 +135,31 @@ def test_precision_trains_in_bf16_true_and_fp8(tmp_path):
         assert "parameters float32, layers Float8Linear/Linear" in out, out
 
 
+def _launch(example: str, *args: str, cwd: Path) -> str:
+    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
+    return _run(launcher, "launch", *args[:args.index("--")], str(ROOT / "examples" / example),
+                *args[args.index("--") + 1:], cwd=cwd)
+
+
 def test_compiled_model_trains_inside_the_scopes_as_one_graph(tmp_path):
-    out = _python("compiled.py", "--backend", "aot_eager", "--epochs", "1", cwd=tmp_path)
-    assert "done: Net ['up.weight', 'up.bias'], 1 graph(s) compiled" in out, out
+    out = _launch("compiled.py", "-n", "2", "--", "--backend", "aot_eager", "--epochs", "1",
+                  cwd=tmp_path)
+    # one line for the job, not one per process; each process compiled one graph
+    assert out.count("done: Net ['up.weight', 'up.bias'], 1 graph(s) compiled") == 1, out
+
+
+def test_local_sgd_ranks_agree_only_at_each_meeting(tmp_path):
+    out = _launch("local_sgd.py", "-n", "2", "--", "--epochs", "1", cwd=tmp_path)
+    assert out.count("done: local SGD on 2 process(es), 16 steps, every 4: the ranks' weights "
+                     "agreed after steps [4, 8, 12, 16]") == 1, out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                    reason="torchft is not installed (pip install 'torchft>=0.2')")
+def test_replica_groups_train_in_step_with_equal_weights(tmp_path):
+    out = _launch("replica_groups.py", "-n", "1", "--replica-groups", "2", "--",
+                  "--steps", "4", cwd=tmp_path)
+    lines = sorted(re.findall(r"group (\d): done at step 4 with 2 group\(s\), loss \S+, "
+                              r"weights checksum (\S+)", out))
+    assert [g for g, _ in lines] == ["0", "1"], out  # one line per group, from its rank 0
+    assert lines[0][1] == lines[1][1], out  # the groups' weights are the same
