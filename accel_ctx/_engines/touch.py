@@ -6,7 +6,9 @@ after that sees the sharded model: an optimizer over ``model.parameters()``, ``m
 ``get_model_state_dict``/``set_model_state_dict``. Under ``sharded()`` (and ``tp=``) a model is
 sharded at its first forward, unless the script touches it before: then at that touch. A touch
 is a call of ``parameters``, ``named_parameters``, ``buffers``, ``named_buffers``,
-``state_dict``, ``load_state_dict`` or ``to_empty``:
+``state_dict``, ``load_state_dict`` or ``to_empty``, or a look-up of one of FSDP2's methods
+(``unshard``, ``set_modules_to_forward_prefetch``...) that the model has not got yet
+(:func:`fsdp_attribute`):
 
 - made by the script itself or by DCP's state-dict functions; torch's own module code,
   accel_ctx and installed libraries (a ``from_pretrained`` building and loading a model) do not
@@ -144,7 +146,7 @@ _FSDP_NAMES: frozenset[str] | None = None
 
 
 def fsdp_names() -> frozenset[str]:
-    """The public methods of FSDP2's ``FSDPModule`` (``unshard``, ``set_modules_to_forward_prefetch``...)."""
+    """The public methods of FSDP2's ``FSDPModule`` (``unshard``, ``reshard``...)."""
     global _FSDP_NAMES
     if _FSDP_NAMES is None:
         from torch.distributed.fsdp import FSDPModule
