@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from accel_ctx import distributed, sharded
+from accel_ctx import distributed, load_state, save_state, sharded
 
 from .._timeouts import scaled
 from .common import own_init_method
@@ -131,7 +131,29 @@ def own_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def example() -> dict[str, Any]:
+def meta_resumed(folder: str, steps: int, stop: int | None) -> dict[str, torch.Tensor]:
+    """A model built on meta, Adam made over it (the touch that shards it on meta), trained
+    ``steps`` steps; saved at ``stop`` and, when a checkpoint is there, resumed from it first."""
+    with distributed(timeout=scaled(60)), sharded():
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer()
+        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+        start = load_state(folder, model=model, optimizer=optim).step if stop is None else 0
+        g = torch.Generator().manual_seed(3 + dist.get_rank())
+        batches = [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g) for _ in range(steps)]
+        for step in range(start, stop if stop is not None else steps):
+            model(batches[step]).sum().backward()
+            optim.step()
+            optim.zero_grad()
+        if stop is not None:
+            save_state(folder, model=model, optimizer=optim)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def example(folder: str | None = None) -> dict[str, Any]:
     # the checkpoint the example loads (torch.load of a full state dict; DCP changes the dict)
     torch.manual_seed(1)
     full = {k: torch.randn_like(v) for k, v in Transformer().state_dict().items()}
@@ -142,4 +164,8 @@ def example() -> dict[str, Any]:
     for path in ("dcp", "dtensor"):
         with distributed(timeout=scaled(60)), sharded():
             out[f"{path} sharded()"] = script(path, by_hand=False, full=dict(full))
+    if folder is not None:
+        out["meta whole"] = meta_resumed(os.path.join(folder, "whole"), 4, None)
+        meta_resumed(os.path.join(folder, "halves"), 4, 2)
+        out["meta resumed"] = meta_resumed(os.path.join(folder, "halves"), 4, None)
     return out
