@@ -166,7 +166,7 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
                      for i, (name, loader) in enumerate(loaders)]
         pending = owned.still_pending(stack)
         positions += [entry for entry, _ in pending]
-        epoch = _position.next_epoch(positions[0]) if positions else 0
+        epoch = _epoch(stack, loaders, positions)
         info = {"step": step, "epoch": epoch, "world_size": world, "objects": sorted(objects)}
         mine = {"rng": rng.capture(),
                 "generators": [*(_position.generator_state(loader) for _, loader in loaders),
@@ -219,3 +219,17 @@ def _partial_grads(stack: _state.Stack | None, stateful: dict[str, Any]) -> dict
     return {n: None if owned.is_sharded(m) else
             {k: p.grad.detach().cpu() for k, p in m.named_parameters() if p.grad is not None}
             for n, m in stateful.items() if isinstance(m, nn.Module)}
+
+
+def _epoch(stack: _state.Stack | None, loaders: list[tuple[str | None, Any]],
+           positions: list[dict[str, Any]]) -> int:
+    """The epoch the checkpoint is at: the loop's loader's (the one being iterated; else the
+    furthest on), never a validation loader's iterated once at the start."""
+    if not positions:
+        return 0
+    active = stack.session.driving_loader() if stack is not None else None
+    for i, (_, loader) in enumerate(loaders):
+        if active is not None and active.loader is loader:
+            return _position.next_epoch(positions[i])
+    return max(_position.next_epoch(entry) for entry in positions)
+

@@ -153,10 +153,13 @@ class PendingLoaders:
     def __call__(self, loader: Any, record: _loader_records.LoaderRecord) -> None:
         if loader in self._named or not isinstance(loader, DataLoader) or not self._entries:
             return
-        index = pick([entry for entry, _ in self._entries], loader)
+        # Among equal ones, a position in the middle of its epoch first: the loop's loader,
+        # not a validation loader that finished its one pass at the start and is not met again.
+        order = sorted(range(len(self._entries)), key=lambda i: self._entries[i][0]["finished"])
+        index = pick([self._entries[i][0] for i in order], loader)
         if index is None:
             return  # not a loader of the checkpoint: its first epoch starts afresh
-        entry, generator = self._entries.pop(index)
+        entry, generator = self._entries.pop(order[index])
         apply_position(loader, record, entry, generator)
         if not self._entries:
             self._session.loader_hooks.remove(self)

@@ -1,6 +1,7 @@
-"""resumable() on a loop whose batches come from no DataLoader, in the forms users write
-(issue 52): the decorator on a fixed-count loop, the docs' decorated ``run.epochs()`` loop over
-a tensor of batches, and the same loop in the ``with`` form."""
+"""resumable() off its main path, in the forms users write (issue 52): loops whose batches come
+from no DataLoader (the decorator on a fixed-count loop, the docs' decorated ``run.epochs()``
+loop over a tensor of batches, the same loop in the ``with`` form), epochs counted with
+``range(n)`` after a ``state()`` read, and a validation loader met only at the start."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from .. import _launcher
 
@@ -63,3 +66,19 @@ def test_a_resumed_loop_counting_epochs_with_range_after_a_state_read_is_warned(
     resumed = _python(folder, "range", "0")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed.stderr.count("run.epochs(n)") == 1, resumed.stderr[-3000:]
+
+
+@pytest.mark.parametrize("form", ["val", "val-same"])
+def test_a_validation_loader_met_only_at_the_start_keeps_its_own_position(tmp_path, form):
+    # "val": the validation loader is unlike the training one (its samples, its sampler);
+    # "val-same": like it in all it describes (same length, batch size, shuffled).
+    whole = _python(str(tmp_path / "whole"), form, "0")
+    assert whole.returncode == 0 and _field(whole.stdout, "STEP") == ["20"], whole.stderr[-3000:]
+    folder = str(tmp_path / "run")
+    for _ in range(2 if form == "val" else 1):  # stopped at step 7 (and again at 14)
+        assert _python(folder, form, "7").returncode == 128 + 15
+    resumed = _python(folder, form, "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert ", epoch 1)" in resumed.stderr if form == "val" else ", epoch 0)" in resumed.stderr
+    assert _field(resumed.stdout, "STEP") == ["20"]
+    assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")

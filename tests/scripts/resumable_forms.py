@@ -5,7 +5,9 @@ usage: resumable_forms.py FOLDER FORM STOP_AT
 FORM: ``fixed`` (``@resumable(d)`` on a function whose loop is ``for x in xs:``), ``docs`` (the
 docs' ``run = resumable(d)``, ``@run``, ``for epoch in run.epochs(2): for x in xs:``), ``with``
 (the same loop in ``with resumable(d) as run:``), ``range`` (a DataLoader, its epochs counted
-with ``range(3)`` after a ``state()`` read, as most scripts do). The loop sends itself SIGTERM after its step
+with ``range(3)`` after a ``state()`` read, as most scripts do), ``val`` (a validation loader
+iterated once, before the first step, then never; the training loader's epochs in
+``run.epochs(2)``). The loop sends itself SIGTERM after its step
 STOP_AT (0: never). Prints ``STEP n`` and ``WEIGHTS`` (the parameters' sums, in hex).
 """
 
@@ -68,6 +70,21 @@ elif form == "range":
         model, opt = build()
         loader = DataLoader(TensorDataset(xs.reshape(32, 4)), batch_size=4, shuffle=True)
         for _epoch in range(3):
+            for (x,) in loader:
+                step(model, opt, x)
+    steps = run.step
+elif form.startswith("val"):
+    with resumable(folder, every_steps=3) as run:
+        model, opt = build()
+        g = torch.Generator().manual_seed(1)
+        train_data = TensorDataset(torch.randn(40, 4, generator=g))
+        val_data = TensorDataset(torch.randn(40 if form == "val-same" else 16, 4, generator=g))
+        loader = DataLoader(train_data, batch_size=4, shuffle=True)
+        val_loader = DataLoader(val_data, batch_size=4, shuffle=form == "val-same")
+        for epoch in run.epochs(2):
+            if epoch == 0 and run.step == 0:
+                with torch.no_grad():
+                    print("VAL", sum(model(x).sum().item() for (x,) in val_loader))
             for (x,) in loader:
                 step(model, opt, x)
     steps = run.step
