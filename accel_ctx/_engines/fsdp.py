@@ -105,7 +105,7 @@ def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, plan: 
     if not isinstance(engine, ShardedEngine):
         return module, None
     check_call(job, module, grad)
-    if _meta.waiting(module) and not getattr(_as_built, "on", False):
+    if _meta.waiting_models and _meta.waiting(module) and not getattr(_as_built, "on", False):
         _meta.give_values(job, module, session)  # sharded on meta at a touch: values now
     return module, engine
 

@@ -29,12 +29,14 @@ import torch.distributed as dist
 from torch import nn
 
 from .._job.job import Job
+from .._kernel import state as _state
 from .._kernel.session import Session
 from ..errors import ConfigurationError
 from . import adopt as _adopt
 
-_waiting: dict[int, weakref.ref[nn.Module]] = {}
-"""Models sharded on meta at a touch, not yet called: id -> model."""
+waiting_models: dict[int, weakref.ref[nn.Module]] = {}
+"""Models sharded on meta at a touch, not yet called: id -> model (empty: nothing to check)."""
+_state.reset_after_fork(waiting_models.clear)
 
 
 def note_waiting(module: nn.Module) -> None:
@@ -42,17 +44,15 @@ def note_waiting(module: nn.Module) -> None:
     key = id(module)
 
     def gone(ref: weakref.ref[nn.Module]) -> None:
-        if _waiting.get(key) is ref:
-            del _waiting[key]
+        if waiting_models.get(key) is ref:
+            del waiting_models[key]
 
-    _waiting[key] = weakref.ref(module, gone)
+    waiting_models[key] = weakref.ref(module, gone)
 
 
 def waiting(module: nn.Module) -> bool:
     """Whether ``module`` was sharded on meta and has not been called since (cheap when none)."""
-    if not _waiting:
-        return False
-    ref = _waiting.get(id(module))
+    ref = waiting_models.get(id(module))
     return ref is not None and ref() is module
 
 
@@ -105,7 +105,7 @@ def materialise(module: nn.Module, blocks: list[nn.Module], device: torch.device
 def give_values(job: Job, module: nn.Module, session: Session) -> None:
     """``module`` was sharded on meta at a touch and is now called: initialise whatever is still
     on meta as :func:`materialise` would (the one-process values), keeping its shards."""
-    _waiting.pop(id(module), None)
+    waiting_models.pop(id(module), None)
     subs = [sub for sub in module.modules()
             if any(v is not None and v.is_meta for store in _stores(sub) for v in store.values())]
     if not subs:
