@@ -245,3 +245,18 @@ def unrestored(folder: Path, checkpoint: Checkpoint, kinds: set[str], met: set[s
             "loop they hold what the script built, not the trained state. Pass them to "
             "run.track() as you build them (e.g. run.track(net=model, opt=optimizer)) to have "
             f"them restored at once, or read them with load_state({str(folder)!r}, ...).")
+
+
+def not_a_run(folder: Path, checkpoint: Checkpoint) -> CheckpointError:
+    """The error of a folder whose newest checkpoint ``save_state()`` wrote, not a run."""
+    held = ", ".join(sorted(checkpoint.names)) or "nothing"
+    own = folder.with_name(folder.name + "-run")
+    return CheckpointError(
+        f"resumable({folder}): {checkpoint.folder.name} in this folder was written by "
+        f"save_state() (it holds {held}, step {checkpoint.step}), not by a resumable() run: it "
+        "has no run's record (the epoch under way, the script, the objects' keys), so "
+        "resumable() cannot continue it as its own. Give resumable() a folder of its own "
+        f"(e.g. resumable({str(own)!r})) and, to start that run from this checkpoint, "
+        "load it when the run starts fresh, before the loop: `if not run.resumed: "
+        f"load_state({str(folder)!r}, model=model, optimizer=optimizer)`.")
+

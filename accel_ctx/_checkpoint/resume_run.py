@@ -90,12 +90,13 @@ class ResumeRuntime(Concern):
         self.stack, self.session = stack, stack.session
         self.checkpoint, self.group, self.rank, self.world = checkpoint, group, rank, world
         if checkpoint is not None:
+            if META not in checkpoint.names:  # before the session's counters are touched
+                raise _restore.not_a_run(self.folder, checkpoint)
             checkpoint.restore_session(stack)
             checkpoint.restore_loaders(stack, {})
             self.process_restored = False
-            if META in checkpoint.names:
-                _restore.load_meta(checkpoint, self.meta)
-                self._check_script()
+            _restore.load_meta(checkpoint, self.meta)
+            self._check_script()
         self.start_step = self.checked_step = self.session.step
         self.saver.last_saved = checkpoint.step if checkpoint is not None else -1
         self.saver.last_path = checkpoint.folder if checkpoint is not None else None

@@ -82,3 +82,12 @@ def test_a_validation_loader_met_only_at_the_start_keeps_its_own_position(tmp_pa
     assert ", epoch 1)" in resumed.stderr if form == "val" else ", epoch 0)" in resumed.stderr
     assert _field(resumed.stdout, "STEP") == ["20"]
     assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")
+
+
+def test_a_save_state_folder_given_to_resumable_says_what_it_is_and_what_to_do(tmp_path):
+    folder = str(tmp_path / "saved")
+    assert _python(folder, "save_state", "0").returncode == 0
+    refused = _python(folder, "with", "0")
+    assert refused.returncode != 0 and "CheckpointError" in refused.stderr, refused.stderr[-3000:]
+    assert "written by save_state()" in refused.stderr and "load_state(" in refused.stderr
+    assert "resuming from" not in refused.stderr and "STEP" not in refused.stdout

@@ -7,7 +7,8 @@ docs' ``run = resumable(d)``, ``@run``, ``for epoch in run.epochs(2): for x in x
 (the same loop in ``with resumable(d) as run:``), ``range`` (a DataLoader, its epochs counted
 with ``range(3)`` after a ``state()`` read, as most scripts do), ``val`` (a validation loader
 iterated once, before the first step, then never; the training loader's epochs in
-``run.epochs(2)``). The loop sends itself SIGTERM after its step
+``run.epochs(2)``), ``save_state`` (no resumable(): one step, then ``save_state(FOLDER, ...)``,
+as a script of its own saves). The loop sends itself SIGTERM after its step
 STOP_AT (0: never). Prints ``STEP n`` and ``WEIGHTS`` (the parameters' sums, in hex).
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import resumable, state
+from accel_ctx import distributed, resumable, save_state, state
 
 folder, form, stop_at = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.manual_seed(0)
@@ -64,6 +65,12 @@ elif form == "docs":
 
     model = train()
     steps = run.step
+elif form == "save_state":
+    with distributed():
+        model, opt = build()
+        step(model, opt, xs[0])
+        save_state(folder, model=model, optimizer=opt)
+    steps = 1
 elif form == "range":
     with resumable(folder, every_steps=2) as run:
         print(f"rank {state().rank} of {state().world_size}")
