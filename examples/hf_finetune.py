@@ -10,12 +10,27 @@ is the plain one transformers' own examples write, with the scopes around it.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from accel_ctx import distributed, main_print, mixed_precision
+
+# Where torchao is installed (`pip install -e ".[dev]"` or ".[fp8]" installs it), transformers
+# imports it, and torchao logs a line per CUDA kernel library it cannot load ("Failed to load
+# .../torchao/_C_mxfp8...so") on a machine without CUDA: harmless (they are GPU kernels), and
+# torch adds a deprecation notice per Enum torchao registers. Kept out of this example's output;
+# in your own script, the same filter around `import transformers` does it.
+_IMPORT_NOISE = [("torch.utils._pytree", "is an Enum subclass and is now natively supported")]
+if not torch.cuda.is_available():
+    _IMPORT_NOISE.append(("torchao", "Failed to load"))
+
+
+def _not_import_noise(record: logging.LogRecord) -> bool:
+    return not any(record.name == name and text in record.getMessage()
+                   for name, text in _IMPORT_NOISE)
 
 
 def main() -> None:
@@ -24,11 +39,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--precision", default="bf16", choices=["no", "bf16", "fp16"])
     args = parser.parse_args()
+    loggers = [logging.getLogger(name) for name, _ in _IMPORT_NOISE]
+    for logger in loggers:
+        logger.addFilter(_not_import_noise)
     try:
         from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         print("this example needs transformers: pip install transformers", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_import_noise)
 
     torch.manual_seed(0)
     # a vocabulary of 128 tokens: its begin/end token is 0, not GPT-2's 50256 (which
