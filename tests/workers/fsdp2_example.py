@@ -466,8 +466,9 @@ def _migrated(args: Args) -> Iterator[None]:
 
 
 def example(folder: str, names: list[str]) -> dict[str, Any]:
-    """Each configuration twice (from scratch, then resumed), by hand and under sharded()."""
-    out: dict[str, Any] = {}
+    """Each configuration twice (from scratch, then resumed), by hand and under sharded(); then
+    what FSDP2's methods say where the model is not sharded."""
+    out: dict[str, Any] = {"messages": messages()}
     for name in names:
         args = {**CONFIGS, **METHODS_FIRST}[name]
         for side in ("by hand", "sharded()"):
