@@ -35,8 +35,14 @@ def test_accelerate_logging_calls_work_as_there(ranks):
     assert logs[0]["funcs"] == logs[1]["funcs"] == ["accelerate_logging"]  # the caller's line
 
 
+def _needs_transformers(result):
+    if result is None:
+        pytest.skip("transformers is not installed (pip install transformers)")
+
+
 def test_schedule_sized_by_accelerates_arithmetic_is_warned_about_once(ranks):
     kept = [res["schedule_kept"] for res in ranks]
+    _needs_transformers(kept[0])
     assert [k["steps"] for k in kept] == [3, 3]
     (message,) = kept[0]["warnings"]  # once, on rank 0, naming the fix
     assert "planned for 6 steps, 2 times the 3 optimizer steps" in message
@@ -50,6 +56,7 @@ def test_schedule_sized_by_accelerates_arithmetic_is_warned_about_once(ranks):
 
 def test_schedule_length_is_not_checked_on_one_process():
     kept = migrate.hf_clm_schedule(keep_accelerate_arithmetic=True)  # x world_size == x 1
+    _needs_transformers(kept)
     assert kept["warnings"] == [] and kept["lr"] == 0.0
 
 

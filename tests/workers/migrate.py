@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import logging
 import math
 import os
@@ -56,10 +57,12 @@ def accelerate_logging() -> dict[str, Any]:
         base.removeHandler(handler)
 
 
-def hf_clm_schedule(keep_accelerate_arithmetic: bool) -> dict[str, Any]:
+def hf_clm_schedule(keep_accelerate_arithmetic: bool) -> dict[str, Any] | None:
     """transformers' run_clm_no_trainer.py, moved by the Accelerate guide's table
     (`accelerator.num_processes` -> `state().world_size`, `accelerator.accumulate` ->
     `accumulate(k)`), with ``--max_train_steps`` given; the warnings it gets, and its last lr."""
+    if importlib.util.find_spec("transformers") is None:
+        return None  # the compat tier's environments: the tests say skipped
     from transformers import get_scheduler
 
     gradient_accumulation_steps, max_train_steps, num_warmup_steps = 2, 3, 1
