@@ -154,10 +154,19 @@ def _stores(sub: nn.Module) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def _empty_like(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A full, plain tensor with ``value``'s global shape on ``device`` (a Parameter for one)."""
-    empty = torch.empty(value.shape, dtype=value.dtype, device=device)
+    if dist.is_available() and _is_dtensor(value):  # a shard's meta: the whole, contiguous
+        empty = torch.empty(value.shape, dtype=value.dtype, device=device)
+    else:  # its layout kept (channels_last weights stay so)
+        empty = torch.empty_like(value, device=device)
     if isinstance(value, nn.Parameter):
         return nn.Parameter(empty, requires_grad=value.requires_grad)
     return empty
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _like_shard(meta: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
