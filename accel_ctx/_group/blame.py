@@ -55,9 +55,21 @@ def looks_distributed(exc: BaseException) -> bool:
 
 
 def reraise(job: Job, exc: BaseException, doing: str) -> None:
-    """Raise a DistributedError naming the culprit if ``exc`` is a communication failure."""
+    """Raise a DistributedError naming the culprit if ``exc`` is a communication failure;
+    note any other exception in the rank's record (a script that catches it and goes on is
+    then told apart from one that skipped a call)."""
     if job.world_size > 1 and looks_distributed(exc):
         raise failure(job, exc, doing) from exc
+    if job.world_size > 1 and not isinstance(exc, AccelCtxError):
+        progress = job.progress
+        text = f"{type(exc).__name__}: {exc}".strip()
+        progress.raised = f"{text[:200]}, at {progress.describe()}"
+
+
+def raised_before(record: dict[str, Any]) -> str:
+    """" (it had raised ValueError: bad batch, at step 3, in forward)", or ""."""
+    raised = record.get("raised")
+    return f" (it had raised {raised})" if raised else ""
 
 
 def refuse_rank_only(call: str, what: str = "the collective") -> None:
@@ -228,8 +240,8 @@ def _culprits(records: dict[int, dict[str, Any]], me: int, mine: _progress.Progr
     left = sorted(r for r, rec in peers.items() if rec.get("state") == _progress.LEFT)
     if left:
         return left, (
-            f"rank {left[0]} left distributed() at {_progress.describe(peers[left[0]])} while "
-            f"rank {me} was in {doing}"
+            f"rank {left[0]} left distributed() at {_progress.describe(peers[left[0]])}"
+            f"{raised_before(peers[left[0]])} while rank {me} was in {doing}"
         ), (
             "Every rank must make the same collective calls until the scope ends: look for a "
             f"loop that ends sooner, a break or a return on rank {left[0]}."

@@ -29,6 +29,8 @@ from ..errors import DistributedError, LaunchEnvironmentError, RendezvousError
 from . import rendezvous as _rendezvous
 from .barrier import announce_failure, store_and_prefix
 from .blame import write_error_file
+from .skipped import UnsyncedSteps
+from .stuck import StuckWatch
 
 
 class _Stores:
@@ -178,6 +180,7 @@ def _watch(job: Job, exits: ExitStack) -> None:
         """Leaving, by an exception or not: the other ranks' next sync point fails at once,
         naming this rank, and its last record says "left" or "failed" (see ``_group.blame``)."""
         beat, job.heartbeat = job.heartbeat, None
+        job.progress.on_unsynced_step = None
         if beat is not None:
             beat.stop()
         if job.world_size == 1 or not dist.is_initialized():
@@ -204,6 +207,9 @@ def _watch(job: Job, exits: ExitStack) -> None:
     exits.push(announce_exit)
     if job.world_size > 1 and dist.is_initialized():
         store, prefix = store_and_prefix(job)
-        job.heartbeat = Heartbeat(job.progress, job.rank, store, f"{prefix}/progress/{job.rank}",
-                                  job.world_size)
-        job.heartbeat.start()
+        beat = Heartbeat(job.progress, job.rank, store, f"{prefix}/progress/{job.rank}",
+                         job.world_size)
+        beat.on_beat = StuckWatch(job, beat)  # a collective that can never complete ends
+        job.progress.on_unsynced_step = UnsyncedSteps(job, beat)  # a step with no backward
+        job.heartbeat = beat
+        beat.start()

@@ -27,6 +27,7 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import progress as _progress
@@ -147,6 +148,9 @@ class Heartbeat:
         self.pid = os.getpid()
         self.host = machine()
         self.mirror: Mirror | None = None
+        # called with this rank's record after each beat (``_group.stuck``: a rank blocked in a
+        # collective that the others' records show will never complete ends there)
+        self.on_beat: Callable[[dict[str, Any]], None] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         # A store client of its own: a TCPStore connection is held for the whole of a wait()
@@ -170,7 +174,8 @@ class Heartbeat:
         return {"step": p.step, "seq": p.seq, "phase": p.phase, "where": line or p.where,
                 "beat": self.beat, "pid": self.pid, "host": self.host, "state": p.state,
                 "detail": p.detail, "blames": list(p.blames), "waiting": p.waiting,
-                "blocked": self.blocked, "mirror": self.mirror.path if self.mirror else ""}
+                "blocked": self.blocked, "mirror": self.mirror.path if self.mirror else "",
+                "armed": p.armed, "raised": p.raised}
 
     def _current_state(self) -> tuple[str, str]:
         """The line the training thread is on now (a stalled rank: where it is stuck) and the
@@ -219,6 +224,10 @@ class Heartbeat:
             if record["waiting"] or record["blocked"] or not line.endswith(_SAME_CALL):
                 _log.warning("%s", line)
 
+    def others(self) -> dict[int, dict[str, Any]]:
+        """Every rank's last published record, read with this heartbeat's own store client."""
+        return read(self._own, self.prefix, self.world)
+
     def publish(self, store: Store | None = None) -> dict[str, Any] | None:
         """Write the record now, and return it (never raises: a lost store only loses the
         information)."""
@@ -236,6 +245,9 @@ class Heartbeat:
                 record = self.publish()
                 if record is not None:
                     self._report_wait(record)
+                    if self.on_beat is not None:
+                        with contextlib.suppress(Exception):  # a lost store: the next beat
+                            self.on_beat(record)
                 self._stop.wait(_progress.INTERVAL_S)
             with self._lock:
                 self._dump = None

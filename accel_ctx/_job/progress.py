@@ -11,11 +11,12 @@ No store operation ever runs on the training thread per step.
 
 Key (under the process group's sync prefix of ``_group.barrier``): ``<prefix>/progress/<rank>``, a
 JSON object ``{step, seq, phase, where, beat, pid, host, state, detail, blames, waiting,
-blocked, mirror}``; ``state`` is "running", "left" or "failed"; ``blames`` the ranks a failed
+blocked, mirror, armed, raised}``; ``state`` is "running", "left" or "failed"; ``blames`` the ranks a failed
 rank found responsible; ``waiting`` whether the rank waits in a call of ours (a collective, a
 sync point); ``blocked`` the torch.distributed function the training thread is inside ("" if
 none), which tells a rank waiting at a sync point that this one waits in a collective instead;
-``mirror`` the file holding the rank's step, kept current on each optimizer step without a store
+``armed`` whether a backward that every rank must make is due; ``raised`` the last exception a
+forward or backward raised on the rank (see ``Progress.raised``); ``mirror`` the file holding the rank's step, kept current on each optimizer step without a store
 operation (see ``Mirror``).
 """
 
@@ -59,8 +60,8 @@ _STDLIB = os.path.dirname(os.path.abspath(contextlib.__file__))
 class Progress:
     """One rank's last progress: plain attributes, set on the hot path for O(1) each."""
 
-    __slots__ = ("_entered", "_mirror", "_step", "armed", "blames", "detail", "entered_at", "phase",
-                 "seq", "state")
+    __slots__ = ("_entered", "_mirror", "_step", "armed", "blames", "detail", "entered_at",
+                 "on_unsynced_step", "phase", "raised", "seq", "state")
 
     def __init__(self) -> None:
         self._mirror: Any = None  # a shared page the step is copied to (_heartbeat.Mirror)
@@ -70,7 +71,14 @@ class Progress:
         # a forward ran through a DDP engine (or, in rank-only code, a model DDP trains) and
         # its backward has not run yet: a backward in rank-only code would need every rank
         self.armed = False
+        # called with the step when an optimizer step comes while armed (no backward since a
+        # forward whose backward every rank must make): ``_group.skipped`` asks the others
+        self.on_unsynced_step: Any = None
         self.state = RUNNING
+        # the last exception a forward or backward raised on this rank that was not a
+        # communication failure, and where ("ValueError: bad batch, at step 3, in forward"):
+        # caught by the script, it explains why this rank is no longer where the others are
+        self.raised = ""
         self.detail = ""
         self.blames: list[int] = []
         # the user's line that entered the wait of ours the rank is in, formatted only when read.
@@ -101,6 +109,8 @@ class Progress:
 
     @step.setter
     def step(self, value: int) -> None:
+        if self.armed and self.on_unsynced_step is not None:  # the optimizer step, no backward
+            self.on_unsynced_step(self._step)
         self._step = value
         if self._mirror is not None:  # once per optimizer step: a copy into shared memory
             MIRROR_STEP.pack_into(self._mirror, 0, value)
