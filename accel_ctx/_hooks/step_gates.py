@@ -186,9 +186,10 @@ def scheduler_step(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: d
         return wrapped(*args, **kwargs)
     for before in stack.hooks.before_schedule:  # e.g. resumable() restores it first
         before(instance, stack.session)
-    job = stack.job
-    if job is not None and job.world_size > 1 and instance not in _watched_in(job.root, ()):
-        _schedule_length.watch(instance, job)  # a length kept from Accelerate's arithmetic
+    job = stack.job  # a length kept from Accelerate's arithmetic is checked at the job's end
+    if (job is not None and job.coordinates.world_size > 1
+            and instance not in _watched_in(job.root, ())):
+        _schedule_length.watch(instance, job)
     if schedule_must_wait(stack.session, instance):
         return None
     return wrapped(*args, **kwargs)
