@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,11 @@ class Checkpoint:
     """One checkpoint folder, opened for a resumable run on ``rank`` of ``world``."""
 
     def __init__(self, folder: Path, rank: int, world: int) -> None:
-        self.folder = folder
+        self.folder, self.rank, self.world = folder, rank, world
+        # The newest checkpoint published since (None: none), asked at a load: it carries the
+        # entries not met again, and this one may be rotated out by keep_last meanwhile.
+        self.follow: Callable[[], Path | None] | None = None
+        self._newer: Checkpoint | None = None
         self.shared: dict[str, Any] = files.load_torch(folder / files.SHARED)
         self.info: dict[str, Any] = self.shared.get("info") or find.read_manifest(folder)
         self.saved_world = int(self.shared["world_size"])
@@ -176,12 +181,23 @@ class Checkpoint:
         """Load ``obj``, saved as ``name``; ``others``: its owner models (optimizers).
         ``what`` describes the object for an error ("the first model met (Net)")."""
         stateful = {**others, name: obj}
+        source = self._source(name)
         grads = _stash_grads(obj)  # DCP makes a missing optimizer state by a zero step
         try:
             with objs.as_stock_torch():
-                objs.load(self.folder, stateful, self.shared["optimizers"], self.shared["plain"],
-                          self.shared.get("optimizer_params", {}), only={name})
+                objs.load(source.folder, stateful, source.shared["optimizers"],
+                          source.shared["plain"], source.shared.get("optimizer_params", {}),
+                          only={name})
         except CheckpointError as exc:
+            if not source.folder.exists():
+                raise CheckpointError(
+                    f"resumable({self.folder.parent}): checkpoint {source.folder.name}, which "
+                    f"this run resumed from, was removed before the run met {what} "
+                    f"({name!r}) again: rotated out by keep_last or deleted by hand, and no "
+                    "checkpoint since carries that entry. Keep the folder's checkpoints while "
+                    "a run resumed from them goes on (only resumable() rotates them), or "
+                    "name the object with run.track() so that it is restored at once."
+                ) from None
             raise CheckpointError(
                 f"resumable({self.folder.parent}): {what} does not match the checkpoint's "
                 f"{name!r}: {exc} The same script finds its objects again in the same order "
@@ -193,6 +209,15 @@ class Checkpoint:
         finally:
             for param, grad in grads:
                 param.grad = grad
+
+
+    def _source(self, name: str) -> Checkpoint:
+        newest = self.follow() if self.follow is not None else None
+        if newest is None or newest == self.folder:
+            return self
+        if self._newer is None or self._newer.folder != newest:
+            self._newer = Checkpoint(newest, self.rank, self.world)
+        return self._newer if name in self._newer.names else self
 
 
 def _stash_grads(obj: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

@@ -186,6 +186,8 @@ def open_run(runtime: Run, stack: _state.Stack) -> None:
     # while restoring would lose nothing, but could not say why it ended).
     runtime.uninstall = runtime.signals.install()
     runtime.open(stack, checkpoint, group, rank, world)
+    if checkpoint is not None:
+        checkpoint.follow = runtime.newest
     hook = runtime.loop_met
     stack.session.loader_hooks.append(hook)
     runtime.loader_hooks = (hook,)

@@ -50,6 +50,12 @@ class LoopRun(ResumeRuntime):
         super().__init__(folder, every_steps, every_minutes, keep_last)
         self.held: list[Any] = []
 
+    def newest(self) -> Path | None:
+        """The newest checkpoint this run published (the save in flight waited for, on every
+        rank alike: an object met late loads from it, as it carries the entries not met)."""
+        self.saver.wait()
+        return self.saver.last_path
+
     def noted_read(self) -> None:
         """``run.step`` or ``state()`` read in the loop's thread."""
         self.step_first = self.step_first or not self.loader_seen

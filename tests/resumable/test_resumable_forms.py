@@ -91,3 +91,17 @@ def test_a_save_state_folder_given_to_resumable_says_what_it_is_and_what_to_do(t
     assert refused.returncode != 0 and "CheckpointError" in refused.stderr, refused.stderr[-3000:]
     assert "written by save_state()" in refused.stderr and "load_state(" in refused.stderr
     assert "resuming from" not in refused.stderr and "STEP" not in refused.stdout
+
+
+def test_an_object_met_after_its_checkpoint_was_rotated_out_is_restored(tmp_path):
+    # Resumed at step 4, the run saves at 6, 8 and 10 (keep_last=2): the checkpoint it resumed
+    # from is gone when the second model is met again at step 11; a newer one carries it.
+    whole = _python(str(tmp_path / "whole"), "late", "0")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    folder = str(tmp_path / "run")
+    assert _python(folder, "late", "3").returncode == 128 + 15
+    resumed = _python(folder, "late", "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert not (tmp_path / "run" / "ckpt-000002-step4").exists()
+    assert _field(resumed.stdout, "STEP") == ["12"]
+    assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")

@@ -8,7 +8,9 @@ docs' ``run = resumable(d)``, ``@run``, ``for epoch in run.epochs(2): for x in x
 with ``range(3)`` after a ``state()`` read, as most scripts do), ``val`` (a validation loader
 iterated once, before the first step, then never; the training loader's epochs in
 ``run.epochs(2)``), ``save_state`` (no resumable(): one step, then ``save_state(FOLDER, ...)``,
-as a script of its own saves). The loop sends itself SIGTERM after its step
+as a script of its own saves), ``late`` (``while run.step < 12:``, a second model and its optimizer
+met at steps 1 and 11 only: after a restart the checkpoint resumed from is rotated out before
+they are met again). The loop sends itself SIGTERM after its step
 STOP_AT (0: never). Prints ``STEP n`` and ``WEIGHTS`` (the parameters' sums, in hex).
 """
 
@@ -71,6 +73,20 @@ elif form == "save_state":
         step(model, opt, xs[0])
         save_state(folder, model=model, optimizer=opt)
     steps = 1
+elif form == "late":
+    with resumable(folder, every_steps=2, keep_last=2) as run:
+        model, opt = build()
+        critic = nn.Linear(4, 1)  # unlike the model: each finds its own state
+        critic_opt = torch.optim.SGD(critic.parameters(), lr=0.1, momentum=0.9)
+        while run.step < 12:
+            x = xs[run.step % 8]
+            if run.step in (0, 10):
+                critic(x).pow(2).mean().backward()
+                critic_opt.step()
+                critic_opt.zero_grad()
+            step(model, opt, x)
+    steps = run.step
+    model = nn.Sequential(model, critic)
 elif form == "range":
     with resumable(folder, every_steps=2) as run:
         print(f"rank {state().rank} of {state().world_size}")
