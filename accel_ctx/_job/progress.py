@@ -112,6 +112,8 @@ class Progress:
         if self.armed and self.on_unsynced_step is not None:  # the optimizer step, no backward
             self.on_unsynced_step(self._step)
         self._step = value
+        if self.raised:  # stepping again: back with the others
+            self.raised = ""
         if self._mirror is not None:  # once per optimizer step: a copy into shared memory
             MIRROR_STEP.pack_into(self._mirror, 0, value)
 

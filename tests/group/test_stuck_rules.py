@@ -84,3 +84,10 @@ def test_what_counts_as_blocked_in_a_collective():
     assert _stuck.stuck(_record(1, 2, "backward", armed=True))  # DDP's all-reduce in autograd
     assert not _stuck.stuck(_record(1, 2, "backward"))  # a backward nobody else needs
     assert not _stuck.stuck(_record(1, 2, "forward", "failed", blocked="all_gather"))
+
+
+def test_an_exception_a_rank_caught_is_forgotten_once_it_steps_again():
+    progress = _progress.Progress()
+    progress.raised = "OutOfMemoryError: CUDA out of memory, at step 0, in forward"
+    progress.step = 1  # find_executable_batch_size retried, and the rank trains with the others
+    assert progress.raised == ""
