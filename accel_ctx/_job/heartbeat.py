@@ -11,6 +11,9 @@ own), the same thread logs a line every ``ACCEL_CTX_PROGRESS_S`` seconds (defaul
     rank 1 of 2 waiting for 30 s at step 2, in wait_for_everyone() (at train.py:9 in main);
     rank 0: step 2, in forward (at train.py:7 in main)
 
+After each beat, ``on_beat`` (``_group.stuck``) looks whether a call the training thread is blocked
+in can still complete, from the others' records.
+
 The rank's step is also copied, on each optimizer step, into a page of shared memory
 (:class:`Mirror`), where the ranks on the same machine read it when this one's process is gone.
 No store operation ever runs on the training thread.
@@ -218,15 +221,17 @@ class Heartbeat:
             return
         self._next_line = now + self.interval
         with contextlib.suppress(Exception):  # a lost store only loses the line
-            others = read(self._own, self.prefix, self.world)
+            others = self.others()
             line = wait_line(self.rank, self.world, record, others,
                              now - self._waiting_since[1])
             if record["waiting"] or record["blocked"] or not line.endswith(_SAME_CALL):
                 _log.warning("%s", line)
 
     def others(self) -> dict[int, dict[str, Any]]:
-        """Every rank's last published record, read with this heartbeat's own store client."""
-        return read(self._own, self.prefix, self.world)
+        """Every rank's last published record, read with this heartbeat's own store client (the
+        training thread reads them too, rarely: ``_group.skipped``; one request at a time)."""
+        with self._lock:
+            return read(self._own, self.prefix, self.world)
 
     def publish(self, store: Store | None = None) -> dict[str, Any] | None:
         """Write the record now, and return it (never raises: a lost store only loses the
