@@ -4,9 +4,7 @@ A module's first top-level call inside ``distributed()`` adopts it: it moves to 
 device (unless the user placed it), it and its parts get a ``ModuleRecord`` naming the root job
 as owner, and it joins the job's :class:`~accel_ctx._job.job.Adoption`. Optimizers made before a
 move that replaced parameters are pointed at the new ones when first met. The data-parallel
-engine (``_engines.replicate``; FSDP2 next) then decides what runs. While adopted, the root
-module's ``load_state_dict`` explains a state dict saved from a ``DistributedDataParallel``
-wrapper (every key prefixed ``module.``) instead of failing with torch's key lists only.
+engine (``_engines.replicate``; FSDP2 next) then decides what runs.
 """
 
 from __future__ import annotations
@@ -17,18 +15,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.tree import to_device
-from ..errors import CheckpointError
 from . import records as _records
-
-# the load_state_dict pre-hook of each adopted root module, removed when it is released; by
-# identity, as the module records are (a module class may define __eq__/__hash__)
-_load_hooks: dict[int, tuple[weakref.ref[nn.Module], RemovableHandle]] = {}
-_DDP_PREFIX = "module."
 
 
 def adopt(job: Job, module: nn.Module, move: bool = True) -> _records.ModuleRecord:
@@ -49,37 +40,7 @@ def adopt(job: Job, module: nn.Module, move: bool = True) -> _records.ModuleReco
         _records.set_module_record(
             sub, root if sub is module else _records.ModuleRecord(root_job, False))
     job.adoption.modules.add(module)
-    held = _load_hooks.get(id(module))
-    if held is None or held[0]() is not module:
-        handle = module.register_load_state_dict_pre_hook(explain_ddp_keys)  # type: ignore[no-untyped-call]
-        _load_hooks[id(module)] = (weakref.ref(module), handle)
     return root
-
-
-def explain_ddp_keys(module: nn.Module, state_dict: Any, prefix: str, local_metadata: Any,
-                     strict: bool, *_: Any) -> None:
-    """``load_state_dict`` pre-hook of an adopted root: a strict load of a state dict whose every
-    key is one of the model's behind ``module.`` (saved from the ``DistributedDataParallel``
-    wrapper of a hand-written DDP script) raises a CheckpointError saying so and how to load it;
-    torch would raise its list of missing and unexpected keys. A module-level function, so that a
-    ``torch.save(model)`` or ``copy.deepcopy`` in the scope still pickles the hooks."""
-    if prefix or not strict or not isinstance(state_dict, dict) or not state_dict:
-        return
-    keys = [k for k in state_dict if isinstance(k, str)]
-    if len(keys) != len(state_dict) or not all(k.startswith(_DDP_PREFIX) for k in keys):
-        return
-    own = {name for name, _ in module.named_parameters()}
-    own.update(name for name, _ in module.named_buffers())
-    if not own or own & set(keys) or not own & {k[len(_DDP_PREFIX):] for k in keys}:
-        return
-    raise CheckpointError(
-        f"{type(module).__name__}.load_state_dict(): every key of this state dict starts with "
-        f"'module.' ({keys[0]!r}): it was saved from a DistributedDataParallel wrapper "
-        "(`DDP(model).state_dict()`, as a hand-written DDP script saves it), and under "
-        "distributed() the model is your module itself, never wrapped. Strip the prefix before "
-        "loading: `torch.nn.modules.utils.consume_prefix_in_state_dict_if_present(state_dict, "
-        "'module.')` (in place), or `{k.removeprefix('module.'): v for k, v in "
-        "state_dict.items()}`.")
 
 
 def move_to_device(job: Job, module: nn.Module) -> None:
@@ -157,10 +118,7 @@ def inputs_to_device(job: Job, args: tuple[Any, ...], kwargs: dict[str, Any]
 
 
 def release(job: Job, module: nn.Module) -> None:
-    """Forget ``module``'s adoption (its records, its engine and its load hook)."""
-    held = _load_hooks.pop(id(module), None)
-    if held is not None and held[0]() is module:
-        held[1].remove()
+    """Forget ``module``'s adoption (its records and its engine)."""
     for sub in module.modules():
         record = _records.module_record(sub)
         if record is not None and record.owner is job.root:

@@ -22,6 +22,7 @@ import wrapt
 from torch import nn
 
 from .._data import iterate as _data
+from .._engines import ddp_keys as _ddp_keys
 from .._kernel import state as _state
 from .._kernel.concern import NOT_FAST, ForwardCall
 from . import tracing as _tracing
@@ -193,6 +194,9 @@ def module_touch(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dic
                 caller = caller.f_back  # wrapt's pure-Python fallback, if it runs
             for hook in stack.hooks.before_touch:
                 hook(module, stack.session, caller)
+    if stack is not None and stack.job is not None and wrapped.__name__ == "load_state_dict" \
+            and isinstance(instance, nn.Module):
+        _ddp_keys.refuse_wrapped_keys(instance, args, kwargs)
     return wrapped(*args, **kwargs)
 
 

@@ -63,6 +63,7 @@ def test_schedule_length_is_not_checked_on_one_process():
 def test_a_ddp_versions_checkpoint_says_what_it_is_and_how_to_load_it(ranks):
     for res in ranks:
         got = res["ddp_checkpoint"]
+        assert got["refused_first"] == got["refused"]  # before the first forward and after it
         assert "saved from a DistributedDataParallel wrapper" in got["refused"]
         assert "consume_prefix_in_state_dict_if_present(state_dict, 'module.')" in got["refused"]
         assert got["loaded"]  # the fix the message names loads it

@@ -114,6 +114,12 @@ def ddp_checkpoint(tmp_dir: str) -> dict[str, Any]:
         saved = {k: v.clone() for k, v in wrapped.module.state_dict().items()}
         wait_for_everyone()
         model = _net()
+        checkpoint = torch.load(path, weights_only=True)
+        try:  # imagenet/main.py's --resume: loaded before the first forward
+            model.load_state_dict(checkpoint["state_dict"])
+            refused_first = ""
+        except CheckpointError as exc:
+            refused_first = str(exc)
         torch.nn.init.zeros_(model[0].weight)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         F.cross_entropy(model(torch.randn(4, 4)), torch.tensor([0, 1, 0, 1])).backward()
@@ -129,7 +135,7 @@ def ddp_checkpoint(tmp_dir: str) -> dict[str, Any]:
         model.load_state_dict(checkpoint["state_dict"])
         loaded = all(torch.equal(v, saved[k]) for k, v in model.state_dict().items())
         model.load_state_dict(wrapped.module.state_dict(), strict=False)  # other loads: as torch's
-    return {"refused": refused, "loaded": loaded,
+    return {"refused_first": refused_first, "refused": refused, "loaded": loaded,
             "hooks_after": len(model._load_state_dict_pre_hooks)}
 
 
