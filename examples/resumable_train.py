@@ -5,11 +5,13 @@ Stop it and start the same command again: it carries on from its last checkpoint
 or SIGUSR1 (a preempted node, a SLURM time limit; ``--stop-at-step`` sends one to itself) saves
 at the next step boundary and exits with 128 + the signal's number, so nothing is lost; a hard
 kill (``--crash-at-step``: ``os._exit``, as an OOM or a lost machine) resumes from the last
-save that had finished (saves run every ``--every-steps`` steps, in the background).
+save that had finished (saves run every ``--every-steps`` steps, in the background; a kill
+while one is being written loses it too). ``--crash-at-step`` kills a run that started fresh
+only: the restarted one carries on.
 
     python examples/resumable_train.py --out run --stop-at-step 5    # saves step 5, exits 143
     python examples/resumable_train.py --out run                     # resumes at step 5, ends
-    accel-ctx launch -n 2 --max-restarts 3 examples/resumable_train.py --out run
+    accel-ctx launch -n 2 --max-restarts 3 examples/resumable_train.py --out run2 --crash-at-step 7
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def main() -> None:
     parser.add_argument("--stop-at-step", type=int, default=None,
                         help="send this process a SIGTERM at this optimizer step, as a preemption")
     parser.add_argument("--crash-at-step", type=int, default=None,
-                        help="die (os._exit) at this optimizer step, as a crash would")
+                        help="die (os._exit) at this optimizer step, as a crash would, in a run "
+                             "that started fresh (the restarted run carries on)")
     args = parser.parse_args()
 
     torch.manual_seed(0)  # set before the scopes, as scripts do; a resume restores the streams
@@ -60,12 +63,13 @@ def main() -> None:
                 opt.zero_grad()
                 if run.step == args.stop_at_step:
                     os.kill(os.getpid(), signal.SIGTERM)  # saved at the next boundary, then exit
-                if run.step == args.crash_at_step:
+                if run.step == args.crash_at_step and not run.resumed:
                     print(f"rank {state().rank}: crashing at step {run.step}", flush=True)
                     os._exit(1)  # no cleanup, no final save: what a killed process leaves
             main_print(f"epoch {epoch}: loss {loss.item():.4f}")
         checksum = sum(float(p.detach().double().sum()) for p in model.parameters())
-    main_print(f"done: step {run.step}, weights checksum {checksum:.10f}")
+        # inside the scopes: outside distributed() every process is its own main process
+        main_print(f"done: step {run.step}, weights checksum {checksum:.10f}")
 
 
 if __name__ == "__main__":

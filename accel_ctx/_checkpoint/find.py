@@ -93,8 +93,8 @@ def candidates(root: Path) -> tuple[bool, list[str], list[str]]:
         return True, [str(root)], []  # asked for this one: an error, not a silent fallback
     if not root.is_dir():
         return False, [], []
-    skipped = [f"{p} (a save that never finished)" for p in sorted(root.iterdir())
-               if p.name.startswith(files.TMP) and p.is_dir()]
+    skipped = [f"{p} (a save that never finished: the job ended while writing it)"
+               for p in sorted(root.iterdir()) if p.name.startswith(files.TMP) and p.is_dir()]
     found = sorted(((s, p) for p in root.iterdir() if (s := files.seq(p.name)) is not None
                     and not p.name.startswith(files.TMP)), reverse=True)
     return False, [str(p) for _, p in found], skipped
@@ -104,8 +104,10 @@ _log = logging.getLogger("accel_ctx.checkpoint")
 _fresh_logged: set[str] = set()
 
 
-def choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
-    """The newest intact checkpoint the ranks agree on, verified by all of them together."""
+def choose(root: Path, rank: int, world: int, required: bool,
+           who: str = "load_state") -> Path | None:
+    """The newest intact checkpoint the ranks agree on, verified by all of them together
+    (``who``: the caller, for the warnings)."""
     from . import dcp as objs
 
     listing: tuple[bool, list[str], list[str]] = (False, [], [])
@@ -116,7 +118,7 @@ def choose(root: Path, rank: int, world: int, required: bool) -> Path | None:
         except CheckpointError as exc:
             error = exc
         for reason in listing[2]:
-            warn_user(f"load_state: ignoring incomplete checkpoint {reason}.")
+            warn_user(f"{who}: ignoring incomplete checkpoint {reason}.")
     direct, folders, _ = objs.agree(error, "find a checkpoint", listing)[0]
     damaged = []
     for folder in map(Path, folders):

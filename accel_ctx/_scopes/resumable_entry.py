@@ -180,7 +180,7 @@ def open_run(runtime: Run, stack: _state.Stack) -> None:
     group = new_group(world, job.options.timeout if job is not None else None)
     runtime.group = group
     runtime.saver.group = new_group(world)  # the writer thread's collectives: see saver
-    folder = find.choose(root, rank, world, False)
+    folder = find.choose(root, rank, world, False, f"resumable({root})")
     checkpoint = Checkpoint(folder, rank, world) if folder is not None else None
     # Before the restore: a signal while it runs is kept for the first boundary (a kill
     # while restoring would lose nothing, but could not say why it ended).
