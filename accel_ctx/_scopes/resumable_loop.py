@@ -17,15 +17,20 @@ steps). So a run notes which the loop uses, and:
 
 from __future__ import annotations
 
+import gc
 import logging
 import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch import nn
 from typing_extensions import override
 
 from .._checkpoint.resume_run import ResumeRuntime
+from .._kernel.concern import ForwardCall
 from .._kernel.session import Session
+from .._warn import warn_user
 from ..errors import ConfigurationError
 
 log = logging.getLogger("accel_ctx.checkpoint")
@@ -41,6 +46,7 @@ class LoopRun(ResumeRuntime):
     deferred = False  # a save due inside such an epoch: taken at its end
     hold = False  # a decorated call: its function's locals (the model...) go before the end
     stepped = False
+    copy_said = False  # the warning about a model's copy unknown to the run, once
     range_loader: weakref.ref[Any] | None = None  # the loader whose next pass decides
     range_pass: Any = None  # its first pass (a LoaderIteration)
     read_outside = False  # run.step or state() read while no loader pass was under way
@@ -79,6 +85,27 @@ class LoopRun(ResumeRuntime):
             super().close(exc)
         finally:
             self.held = []
+
+    # ---- a copy of a model made before its restore (an EMA by copy.deepcopy) -------------------
+    @override
+    def before_forward(self, call: ForwardCall, session: Session) -> None:
+        module = call.module
+        checkpoint = self.checkpoint
+        if checkpoint is None or self.rank != 0 or module in self.keys:
+            super().before_forward(call, session)
+            return
+        copies = _copies(module, {id(m) for m in (*self.tracked.values(), *self.keys.keys())})
+        super().before_forward(call, session)
+        key = self.keys.get(module)
+        if copies and key is not None and key in checkpoint.names and not self.copy_said:
+            self.copy_said = True
+            names = type(copies[0]).__name__
+            warn_user(
+                f"resumable({self.folder}): a {names} holds the weights {key!r} was built with, "
+                "before this restart restored it: a copy made before the model's first forward "
+                "(e.g. an EMA by copy.deepcopy(model)) and not run.track()ed, so it goes on from "
+                "the script's fresh weights, not from the run's. Name it as you build it, "
+                "run.track(ema=ema_model), to have it saved and restored with the run.")
 
     # ---- run.epochs() over batches from no DataLoader --------------------------------------------
     @override
@@ -171,3 +198,26 @@ class LoopRun(ResumeRuntime):
             "trains more epochs than the run was to. Count them with `for epoch in "
             "run.epochs(n)` (or loop on run.step: `while run.step < max_steps`).",
             self.folder, checkpoint.step if checkpoint is not None else self.session.step)
+
+
+def _copies(module: Any, known: set[int]) -> list[nn.Module]:
+    """The other live modules of ``module``'s class with its very parameters (not its own
+    submodules, not ``known``): copies made of it (this rank; looked for once per model met)."""
+    params = [p.detach() for p in module.parameters()]
+    if not isinstance(module, nn.Module) or not params or any(
+            hasattr(p, "device_mesh") for p in params):
+        return []  # sharded: the copies hold other tensors (or none) by then
+    mine = {id(p) for p in module.parameters()}
+    found = []
+    for obj in gc.get_objects():
+        if (type(obj) is not type(module) or obj is module or id(obj) in known):
+            continue
+        theirs = [p.detach() for p in obj.parameters()]
+        if (len(theirs) != len(params) or any(id(p) in mine for p in obj.parameters())
+                or any(a.shape != b.shape or hasattr(b, "device_mesh")
+                       for a, b in zip(params, theirs, strict=True))):
+            continue
+        if all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(params, theirs, strict=True)):
+            found.append(obj)
+    return found
+

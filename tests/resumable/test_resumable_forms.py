@@ -105,3 +105,19 @@ def test_an_object_met_after_its_checkpoint_was_rotated_out_is_restored(tmp_path
     assert not (tmp_path / "run" / "ckpt-000002-step4").exists()
     assert _field(resumed.stdout, "STEP") == ["12"]
     assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")
+
+
+def test_a_resumed_run_warns_once_of_a_model_copy_it_does_not_know(tmp_path):
+    folder = str(tmp_path / "ema")
+    assert _python(folder, "ema", "3").returncode == 128 + 15
+    resumed = _python(folder, "ema", "0")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stderr.count("copy.deepcopy(model)") == 1, resumed.stderr[-3000:]
+    assert "run.track(ema=" in resumed.stderr
+    # tracked, the copy is saved and restored: no warning, the EMA of the run never stopped
+    whole = _python(str(tmp_path / "whole"), "ema-tracked", "0")
+    folder = str(tmp_path / "tracked")
+    assert _python(folder, "ema-tracked", "3").returncode == 128 + 15
+    resumed = _python(folder, "ema-tracked", "0")
+    assert resumed.returncode == 0 and "copy.deepcopy" not in resumed.stderr, resumed.stderr
+    assert _field(resumed.stdout, "WEIGHTS") == _field(whole.stdout, "WEIGHTS")

@@ -10,10 +10,12 @@ iterated once, before the first step, then never; the training loader's epochs i
 ``run.epochs(2)``), ``save_state`` (no resumable(): one step, then ``save_state(FOLDER, ...)``,
 as a script of its own saves), ``late`` (``while run.step < 12:``, a second model and its optimizer
 met at steps 1 and 11 only: after a restart the checkpoint resumed from is rotated out before
-they are met again). The loop sends itself SIGTERM after its step
+they are met again), ``ema``/``ema-tracked`` (an EMA made by ``copy.deepcopy(model)`` before
+the loop, updated each step; ``run.track()``ed or not). The loop sends itself SIGTERM after its step
 STOP_AT (0: never). Prints ``STEP n`` and ``WEIGHTS`` (the parameters' sums, in hex).
 """
 
+import copy
 import os
 import signal
 import sys
@@ -87,6 +89,19 @@ elif form == "late":
             step(model, opt, x)
     steps = run.step
     model = nn.Sequential(model, critic)
+elif form.startswith("ema"):
+    with resumable(folder, every_steps=2) as run:
+        model, opt = build()
+        ema = copy.deepcopy(model)
+        if form == "ema-tracked":
+            run.track(ema=ema)
+        while run.step < 6:
+            step(model, opt, xs[run.step])
+            with torch.no_grad():
+                for e, p in zip(ema.parameters(), model.parameters(), strict=True):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+    steps = run.step
+    model = ema
 elif form == "range":
     with resumable(folder, every_steps=2) as run:
         print(f"rank {state().rank} of {state().world_size}")
