@@ -138,3 +138,19 @@ def test_search_answers_in_a_browser_from_disk(site: Path):
     ).stdout
     found = re.search(r'md-search-result__meta">(\d+) matching document', page)
     assert found and int(found.group(1)) >= 1, page[-2000:]
+
+
+def test_code_blocks_wrap_instead_of_running_off_the_page(site: Path):
+    # issue 52: install.md's commands ran off the page (Material scrolls a block sideways)
+    sheet = "assets/stylesheets/extra.css"
+    css = re.sub(r"/\*.*?\*/", "", (site / sheet).read_text(), flags=re.S)
+    rule = re.search(r"\.md-typeset pre > code\s*\{([^}]*)\}", css)
+    assert rule and re.search(r"white-space:\s*pre-wrap", rule.group(1)), css
+    for page in sorted(p for p in site.rglob("*.html") if p.name != "404.html"):
+        depth = "../" * (len(page.relative_to(site).parts) - 1)
+        assert f'href="{depth}{sheet}"' in page.read_text(), page
+    # and the install page's own commands fit a narrow column (GitHub shows it unstyled)
+    install = (ROOT / "docs" / "install.md").read_text()
+    blocks = re.findall(r"^```\w*\n(.*?)^```", install, flags=re.S | re.M)
+    long = [line for block in blocks for line in block.splitlines() if len(line) > 80]
+    assert not long, long
