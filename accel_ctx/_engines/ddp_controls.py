@@ -19,6 +19,7 @@ defines such a name itself, and every module outside the scopes, behave as in to
 
 from __future__ import annotations
 
+import sys
 import weakref
 from types import TracebackType
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 from torch import nn
 
 from .._kernel import state as _state
+from . import touch as _touch
 
 # id(module) -> (module, nesting depth of its no_sync() blocks); an entry goes with its module
 _paused: dict[int, tuple[weakref.ref[nn.Module], int]] = {}
@@ -85,6 +87,10 @@ def _no_wrapper(module: nn.Module) -> AttributeError:
 
 def missing_attribute(module: nn.Module, name: str) -> Any:
     """What ``module.<name>`` gives when torch's lookup found nothing (else AttributeError)."""
+    if _state.current() is not None and name in _touch.fsdp_names():
+        # FSDP2's methods before the model's first touch: shard it now, as fully_shard would
+        # have (frames: this one, nn.Module.__getattr__, the line that asked)
+        return _touch.fsdp_attribute(module, name, sys._getframe(2))
     if name in ("module", "no_sync", "require_backward_grad_sync") and _state.current() is not None:
         if name == "module":
             raise _no_wrapper(module)

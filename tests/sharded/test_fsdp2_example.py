@@ -58,12 +58,6 @@ def test_the_configurations_compared_are_not_one_run(runs):
         assert result["dtensor / by hand / resumed"]["losses"][0] != fp32[0]
 
 
-WIRING = pytest.mark.xfail(
-    strict=True, reason="needs nn.Module.__getattr__'s misses of FSDP2's names routed to "
-    "_engines.touch.fsdp_attribute (_engines.ddp_controls.missing_attribute; issue 52)")
-
-
-@WIRING
 @pytest.mark.parametrize("run", ["fresh", "resumed"])
 def test_fsdp2_methods_before_any_touch_shard_the_model_as_fully_shard_would(runs, run):
     # the example with its prefetching set first thing after building on meta: the method
@@ -76,7 +70,6 @@ def test_fsdp2_methods_before_any_touch_shard_the_model_as_fully_shard_would(run
         _equal(ours, hand, f"rank {rank}: methods first / {run}")
 
 
-@WIRING
 def test_fsdp2_methods_where_nothing_is_sharded_say_why(runs):
     for rank, said in enumerate(result["messages"] for result in runs):
         assert "no sharded() scope" in said["ddp"] and "DDP" in said["ddp"], said["ddp"]
@@ -89,7 +82,6 @@ def test_fsdp2_methods_where_nothing_is_sharded_say_why(runs):
         assert said["block"] is None
 
 
-@WIRING
 def test_an_fsdp2_method_in_one_process_says_to_guard_it():
     from torch import nn
 
