@@ -22,8 +22,11 @@ or local to ``main()`` is gone by the verdict. The verdict reads only this rank'
 job's end judges without waiting for any other rank. All of it happens at a pass's start and
 end and at the verdict, never per batch.
 
-A loop that writes each rank's predictions to its own file and never reads them together looks
-like one that counts its share: its warning says so and how to tell them apart.
+A loop that writes each rank's results to files of its own (predictions per rank, merged later
+or elsewhere) combined them as it should: files written by the pass's thread between its start
+and the verdict (``_data.file_writes``) count as its results leaving the rank, and nothing is
+said. Where those writes cannot be seen (``torch.save(x, path)``: torch's C++ writer opens the
+file), the warning says how to tell the two apart.
 """
 
 from __future__ import annotations
@@ -38,12 +41,29 @@ import torch.distributed as dist
 from .._job.job import Job
 from .._kernel import state as _state
 from .._warn import warn_user
+from . import file_writes as _file_writes
 from .shard import ShardPlan
+
+# the file writes at the latest pass start of each job (read when that pass ends)
+_writes_at_start: weakref.WeakKeyDictionary[Job, _file_writes.Writes] = (
+    weakref.WeakKeyDictionary())
 
 
 def collectives_so_far(job: Job) -> int | None:
-    """The times this process's results could have met the other ranks' (None: not countable):
-    collectives on any process group but the engines' own meshes (a user's ``new_group``
+    """At a pass's start: the times this process's results could have met the other ranks' so
+    far (None: not countable), and the files this thread wrote so far, kept for the pass."""
+    if dist.is_initialized():
+        _writes_at_start[job.root] = _file_writes.now(_store_file(job))
+    return _collectives(job)
+
+
+def _store_file(job: Job) -> str | None:
+    method = job.root.launch.init_method
+    return method.removeprefix("file://") if method and method.startswith("file://") else None
+
+
+def _collectives(job: Job) -> int | None:
+    """Collectives on any process group but the engines' own meshes (a user's ``new_group``
     counts), and ``wait_for_everyone()`` calls (the sync a script needs before reading the
     files other ranks wrote)."""
     if not dist.is_initialized():
@@ -96,6 +116,7 @@ class EvalPass:
     total: int | None  # global batches in the epoch
     collectives_at_start: int
     metric_gathers: int  # gather_for_metrics calls during the pass
+    writes_at_start: _file_writes.Writes | None = None  # the thread's file writes at its start
     rank_only: _state.RankOnly | None = None  # the pass ran in rank-only code (on_main_process)
 
 
@@ -107,7 +128,9 @@ def pass_ended(job: Job, loader: Any, where: str, plan: ShardPlan, total: int | 
     if plan.world == 1 or collectives_at_start is None or loader in root.eval_warned:
         return
     root.pending_eval = EvalPass(weakref.ref(loader), Loader.of(loader), where, plan, total,
-                                 collectives_at_start, metric_gathers, _state.rank_only())
+                                 collectives_at_start, metric_gathers,
+                                 writes_at_start=_writes_at_start.get(root),
+                                 rank_only=_state.rank_only())
 
 
 def verdict(job: Job) -> None:
@@ -120,11 +143,15 @@ def verdict(job: Job) -> None:
     if pending is None:
         return
     root.pending_eval = None
-    now = collectives_so_far(job)
+    now = _collectives(job)
     if now is None or job.rank != 0:
         return
     padded = _padded_batches(pending.plan, pending.total)
     if now == pending.collectives_at_start:
+        start = pending.writes_at_start
+        if (pending.rank_only is None and start is not None
+                and _file_writes.wrote_files(start)):
+            return  # each rank wrote its results to files of its own: nothing to combine here
         text = _never_combined(pending, padded)
     elif padded and pending.metric_gathers == 0:
         text = _padding_counted(pending, padded)
@@ -220,8 +247,9 @@ def _never_combined(pending: EvalPass, padded: int) -> str:
         "distributed(even_batches=False), sum your counts across ranks with reduce(...) after "
         "the loop; to evaluate everything on every rank instead, run the loop outside "
         "distributed(). (A loop that writes each rank's results to a file of its own is right "
-        "as it is: call wait_for_everyone() before reading the files together, which also "
-        "tells accel_ctx they meet.)"
+        "as it is, and is not warned about where its writes are seen; call "
+        "wait_for_everyone() after writing them, before reading the files together, which "
+        "also tells accel_ctx they meet.)"
     )
 
 

@@ -27,3 +27,19 @@ def test_log_metrics_into_a_file_named_by_the_environment_says_so(tmp_path, monk
     monkeypatch.setenv("ACCEL_CTX_METRICS_DIR", str(tmp_path / "runs"))
     with pytest.raises(ConfigurationError, match=r"\$ACCEL_CTX_METRICS_DIR.*is a file"):
         log_metrics({"loss": 0.5}, step=1)
+
+
+@pytest.mark.spawns
+def test_an_inference_that_writes_each_ranks_predictions_to_files_is_told_nothing(tmp_path):
+    # issue 52: a sharded inference writing per-rank files was told nothing combined its results
+    from .._spawn import spawn
+    from ..workers import messages
+
+    ranks = spawn(messages.evaluation_outputs, 2, tmp_path, str(tmp_path))
+    files = sorted(f"preds-{r}.{kind}" for kind in ("json", "pt", "txt") for r in (0, 1))
+    assert ranks[0]["files"] == files
+    assert ranks[0]["json"] == [] and ranks[0]["open_file"] == [] and ranks[0]["torch_save"] == []
+    # an evaluation that counts its share is still told, also when it prints and logs them
+    assert len(ranks[0]["counts_its_share"]) == 2, ranks[0]["counts_its_share"]  # a loader each
+    assert all("nothing combined its results" in w for w in ranks[0]["counts_its_share"])
+    assert all(not rank[case] for rank in ranks[1:] for case in messages.CASES)  # rank 0 only
