@@ -22,11 +22,11 @@ or local to ``main()`` is gone by the verdict. The verdict reads only this rank'
 job's end judges without waiting for any other rank. All of it happens at a pass's start and
 end and at the verdict, never per batch.
 
-A loop that writes each rank's results to files of its own (predictions per rank, merged later
-or elsewhere) combined them as it should: files written by the pass's thread between its start
-and the verdict (``_data.file_writes``) count as its results leaving the rank, and nothing is
-said. Where those writes cannot be seen (``torch.save(x, path)``: torch's C++ writer opens the
-file), the warning says how to tell the two apart.
+A loop that writes each rank's results into a file of its own (predictions per rank, merged
+later or elsewhere) combined them as it should: a file open for writing at the pass's start that
+grew by the verdict (``_data.file_writes``) counts as its results leaving the rank, and nothing
+is said. Where that is not seen (a file opened and written after the loop), the warning says
+how to tell the two apart.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .._job.job import Job
 from .._kernel import state as _state
+from .._ranks.watch import metrics_folders
 from .._warn import warn_user
 from . import file_writes as _file_writes
 from .shard import ShardPlan
@@ -53,7 +54,7 @@ def collectives_so_far(job: Job) -> int | None:
     """At a pass's start: the times this process's results could have met the other ranks' so
     far (None: not countable), and the files this thread wrote so far, kept for the pass."""
     if dist.is_initialized():
-        _writes_at_start[job.root] = _file_writes.now(_store_file(job))
+        _writes_at_start[job.root] = _file_writes.now(_store_file(job), metrics_folders())
     return _collectives(job)
 
 

@@ -46,6 +46,11 @@ class _Writers:
         _state.close_at_exit(self.close)
         return writer
 
+    def folders(self) -> list[str]:
+        """The folders the cached writers write into (TensorBoard's events stay open)."""
+        with self._lock:
+            return [folder for _, folder in self._writers]
+
     def close(self) -> None:
         """Close every cached writer (log_metrics flushes after each call; this frees them)."""
         with self._lock:
@@ -66,6 +71,12 @@ class _Writers:
 
 _writers = _Writers()
 _state.reset_after_fork(_writers.forget)
+
+
+def metrics_folders() -> list[str]:
+    """Where log_metrics keeps files open for writing (an evaluation's verdict, _data.eval_passes,
+    does not count their growth as the loop's results)."""
+    return _writers.folders()
 
 
 def _optional(name: str) -> Any | None:

@@ -1,5 +1,5 @@
 """What counts as an evaluation's results written to files (issue 52: per-rank prediction files
-were told that nothing combined them): the signals of ``_data.file_writes``, in one process."""
+were told that nothing combined them): ``_data.file_writes``, in one process."""
 
 from __future__ import annotations
 
@@ -7,35 +7,31 @@ import json
 import logging
 import sys
 
-from accel_ctx import log_metrics
 from accel_ctx._data import file_writes
 
 
-def test_files_opened_for_writing_or_growing_count_and_prints_logs_and_our_files_do_not(
-        tmp_path):
-    start = file_writes.now()
-    print("Accuracy: 15/96")  # a report of this rank's share
-    sys.stderr.write("a line\n")
-    log_metrics({"accuracy": 0.25}, step=0, directory=tmp_path / "runs")  # accel_ctx's own
+def test_a_file_open_at_the_start_that_grows_counts_and_prints_logs_and_stores_do_not(tmp_path):
+    store = tmp_path / "store"
     handler = logging.FileHandler(tmp_path / "eval.log")
     logger = logging.getLogger("test_messages_file_writes")
     logger.addHandler(handler)
+    metrics = tmp_path / "runs"
+    metrics.mkdir()
     try:
-        logger.warning("accuracy 0.25")
-        open(tmp_path / "notes.txt").close() if (tmp_path / "notes.txt").exists() else None
-        assert not file_writes.wrote_files(start)
-        # a logging file open at the start grows: still no result
-        again = file_writes.now()
-        logger.warning("accuracy 0.5")
-        handler.flush()
-        assert not file_writes.wrote_files(again)
+        with open(store, "w") as store_file, open(metrics / "events", "w") as events:
+            start = file_writes.now(str(store), [str(metrics)])
+            print("Accuracy: 15/96")  # a report of this rank's share
+            sys.stderr.write("a line\n")
+            logger.warning("accuracy 0.25")
+            handler.flush()
+            store_file.write("rdzv/arrived 1")
+            store_file.flush()
+            events.write("an event")
+            events.flush()
+            assert not file_writes.wrote_files(start)
     finally:
         logger.removeHandler(handler)
         handler.close()
-
-    start = file_writes.now()
-    (tmp_path / "preds-0.json").write_text(json.dumps([0, 1, 1]))  # written after the loop
-    assert file_writes.wrote_files(start)
 
     with open(tmp_path / "preds-0.txt", "w") as f:  # opened before the loop, written in it
         start = file_writes.now()
@@ -43,7 +39,12 @@ def test_files_opened_for_writing_or_growing_count_and_prints_logs_and_our_files
         f.write("1\n0\n")
     assert file_writes.wrote_files(start)
 
-    start = file_writes.now()
-    with open(tmp_path / "preds-0.txt") as f:  # reading is no writing
+    with open(tmp_path / "preds-0.json", "w") as f:  # written after the loop, before it closes
+        start = file_writes.now()
+        json.dump([0, 1, 1], f)
+    assert file_writes.wrote_files(start)
+
+    with open(tmp_path / "preds-0.txt") as f:  # a file read is no file written
+        start = file_writes.now()
         f.read()
     assert not file_writes.wrote_files(start)

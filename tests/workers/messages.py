@@ -27,17 +27,15 @@ def _model() -> nn.Module:
 
 
 def _predict_to_torch_file(folder: str) -> None:
-    """A sharded inference script: each rank saves its predictions with torch.save into a file
-    it opens (torch.save(x, path) is not seen: torch's C++ writer opens that file)."""
+    """A sharded inference script: each rank opens its file, predicts, then torch.saves there."""
     with sharded():
         model = _model()
         model.eval()
         loader = DataLoader(_data(), batch_size=8)
         predictions = []
-        with torch.no_grad():
+        with open(os.path.join(folder, f"preds-{state().rank}.pt"), "wb") as f, torch.no_grad():
             for x, _ in loader:
                 predictions.append(model(x).argmax(dim=1))
-        with open(os.path.join(folder, f"preds-{state().rank}.pt"), "wb") as f:
             torch.save(torch.cat(predictions), f)
         main_print("predictions written")
 
@@ -53,15 +51,16 @@ def _predict_to_open_file(folder: str) -> None:
 
 
 def _predict_to_json(folder: str) -> None:
-    """Each rank keeps its predictions and writes them as JSON after the loop."""
+    """Each rank keeps its predictions and dumps them as JSON into the file it opened."""
     with distributed():
         model = _model()
         loader = DataLoader(_data(), batch_size=8)
         rows = []
-        with torch.no_grad():
-            for x, _ in loader:
-                rows += model(x).argmax(dim=1).tolist()
-        Path(folder, f"preds-{state().rank}.json").write_text(json.dumps(rows))
+        with open(Path(folder, f"preds-{state().rank}.json"), "w") as out:
+            with torch.no_grad():
+                for x, _ in loader:
+                    rows += model(x).argmax(dim=1).tolist()
+            json.dump(rows, out)
 
 
 def _count_own_share(folder: str) -> None:
