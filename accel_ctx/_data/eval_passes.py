@@ -25,8 +25,9 @@ end and at the verdict, never per batch.
 A loop that writes each rank's results into a file of its own (predictions per rank, merged
 later or elsewhere) combined them as it should: a file open for writing at the pass's start that
 grew by the verdict (``_data.file_writes``) counts as its results leaving the rank, and nothing
-is said. Where that is not seen (a file opened and written after the loop), the warning says
-how to tell the two apart.
+is said. Only a pass begun without gradients (``with torch.no_grad():`` around the loop) is
+looked at so. Where that is not seen (a file opened and written after the loop, a loop that turns
+gradients off inside each batch), the warning says how to tell the two apart.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from .._job.job import Job
@@ -45,6 +47,7 @@ from .._warn import warn_user
 from . import file_writes as _file_writes
 from .shard import ShardPlan
 
+_grad_enabled = torch.is_grad_enabled
 # the file writes at the latest pass start of each job (read when that pass ends)
 _writes_at_start: weakref.WeakKeyDictionary[Job, _file_writes.Writes] = (
     weakref.WeakKeyDictionary())
@@ -53,8 +56,12 @@ _writes_at_start: weakref.WeakKeyDictionary[Job, _file_writes.Writes] = (
 def collectives_so_far(job: Job) -> int | None:
     """At a pass's start: the times this process's results could have met the other ranks' so
     far (None: not countable), and the files this thread wrote so far, kept for the pass."""
-    if dist.is_initialized():
+    if not _grad_enabled() and dist.is_initialized():
+        # only a pass begun without gradients (an inference or evaluation): reading /proc at
+        # every training epoch's start (or every next(iter(loader))) would tax the steps
         _writes_at_start[job.root] = _file_writes.now(_store_file(job), metrics_folders())
+    else:
+        _writes_at_start.pop(job.root, None)
     return _collectives(job)
 
 
