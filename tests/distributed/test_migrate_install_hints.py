@@ -6,10 +6,10 @@ must name torchft itself, at the version the ft extra asks, or the extra from th
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from accel_ctx._engines import fault_tolerant
 from accel_ctx._launch import lighthouse, replica_groups
