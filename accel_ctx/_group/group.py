@@ -183,6 +183,10 @@ def _watch(job: Job, exits: ExitStack) -> None:
         job.progress.on_unsynced_step = None
         if beat is not None:
             beat.stop()
+            # the watch holds the heartbeat: left as a cycle, the heartbeat's own store client
+            # would be destroyed by a later garbage collection, and a FileStore's destructor
+            # then removes the file the process's next job is meeting on (its ranks hung)
+            beat.on_beat = None
         if job.world_size == 1 or not dist.is_initialized():
             return False
         progress = job.progress
