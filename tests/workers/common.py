@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -130,6 +132,30 @@ def own_init_method(tag: str) -> str:
     per-process counter names the same fresh file on every rank.
     """
     return f"{os.environ['ACCEL_CTX_INIT_METHOD']}-{tag}-{next(_own_groups)}"
+
+
+@contextlib.contextmanager
+def hand_group(tag: str) -> Iterator[None]:
+    """A process group formed by hand (its own FileStore, named by ``tag``) for the block's
+    hand-written DDP or FSDP2 code; every rank meets at a barrier before it is destroyed."""
+    dist.init_process_group("gloo", init_method=own_init_method(tag),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        yield
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+class ListHandler(logging.Handler):
+    """A logging handler that keeps the records it is given (a worker's logging calls, read)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
 
 
 def by_hand(fn: Callable[..., R], *args: Any) -> R:

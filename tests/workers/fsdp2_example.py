@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from accel_ctx import distributed, mixed_precision, sharded, state
 
 from .._timeouts import scaled
-from .common import own_init_method
+from .common import hand_group
 
 # ---- model.py --------------------------------------------------------------------------------
 
@@ -445,17 +445,6 @@ def _saved(folder: str, args: Args) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _by_hand() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=own_init_method("fsdp2-example"),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        yield
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-@contextlib.contextmanager
 def _migrated(args: Args) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(distributed(timeout=scaled(60)))
@@ -474,7 +463,7 @@ def example(folder: str, names: list[str]) -> dict[str, Any]:
         for side in ("by hand", "sharded()"):
             where = os.path.join(folder, name.replace(" ", "-"), side.strip("()").replace(" ", "-"))
             for run in ("fresh", "resumed"):
-                scope = _by_hand() if side == "by hand" else _migrated(args)
+                scope = hand_group("fsdp2-example") if side == "by hand" else _migrated(args)
                 try:
                     with scope:
                         result = main(args, where, by_hand=side == "by hand")

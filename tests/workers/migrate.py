@@ -21,19 +21,12 @@ from torch.utils.data.distributed import DistributedSampler
 from accel_ctx import accumulate, distributed, gather, get_logger, state, wait_for_everyone
 from accel_ctx.errors import CheckpointError
 
-
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
+from .common import ListHandler
 
 
 def accelerate_logging() -> dict[str, Any]:
     """The logging lines of an Accelerate script (run_clm_no_trainer.py's and its kin's)."""
-    handler = _ListHandler()
+    handler = ListHandler()
     base = logging.getLogger("migrated_from_accelerate")
     base.addHandler(handler)
     base.propagate = False

@@ -26,6 +26,8 @@ from accel_ctx import (
     wait_for_everyone,
 )
 
+from .common import ListHandler
+
 # Decorated at import, in every process, before any scope exists: the rank must be read at
 # each call, not here.
 CALLS: Counter[str] = Counter()
@@ -154,17 +156,8 @@ def meeting_points(tmp_dir: str) -> dict[str, Any]:
     return out
 
 
-class _ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 def _logs() -> dict[str, Any]:
-    handler = _ListHandler()
+    handler = ListHandler()
     base = logging.getLogger("accel_ctx_test_worker")
     base.addHandler(handler)
     base.propagate = False

@@ -10,9 +10,7 @@ Adam over ``model.parameters()``, trains 4 steps and saves through the same path
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -23,7 +21,7 @@ from torch import nn
 from accel_ctx import distributed, load_state, save_state, sharded
 
 from .._timeouts import scaled
-from .common import own_init_method
+from .common import hand_group
 
 VOCAB, DIM, LAYERS, SEQ, BATCH = 32, 16, 3, 8, 4
 
@@ -120,17 +118,6 @@ def script(path: str, by_hand: bool, full: dict[str, torch.Tensor]) -> dict[str,
     return {"placements": seen, "weights": save(model, path), "losses": losses}
 
 
-@contextlib.contextmanager
-def own_group() -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=own_init_method("touch"),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    try:
-        yield
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def meta_resumed(folder: str, steps: int, stop: int | None) -> dict[str, torch.Tensor]:
     """A model built on meta, Adam made over it (the touch that shards it on meta), trained
     ``steps`` steps; saved at ``stop`` and, when a checkpoint is there, resumed from it first."""
@@ -158,7 +145,7 @@ def example(folder: str | None = None) -> dict[str, Any]:
     torch.manual_seed(1)
     full = {k: torch.randn_like(v) for k, v in Transformer().state_dict().items()}
     out: dict[str, Any] = {}
-    with own_group():
+    with hand_group("touch"):
         for path in ("dcp", "dtensor"):
             out[f"{path} by hand"] = script(path, by_hand=True, full=dict(full))
     for path in ("dcp", "dtensor"):
