@@ -149,5 +149,3 @@ def choose(root: Path, rank: int, world: int, required: bool,
         _fresh_logged.add(str(root.absolute()))
         _log.warning("no checkpoint in %s: starting fresh", root)
     return None
-
-

@@ -210,7 +210,6 @@ class Checkpoint:
             for param, grad in grads:
                 param.grad = grad
 
-
     def _source(self, name: str) -> Checkpoint:
         newest = self.follow() if self.follow is not None else None
         if newest is None or newest == self.folder:
@@ -256,7 +255,6 @@ def new_group(world: int, timeout: timedelta | None = None) -> Any:
     return dist.new_group(backend="gloo", timeout=timeout)
 
 
-
 def unrestored(folder: Path, checkpoint: Checkpoint, kinds: set[str], met: set[str]) -> str | None:
     """What a run that took no step says of the entries of ``kinds`` it did not meet: they are
     restored when the loop meets them, and code after the loop (saving the model, evaluating
@@ -284,4 +282,3 @@ def not_a_run(folder: Path, checkpoint: Checkpoint) -> CheckpointError:
         f"(e.g. resumable({str(own)!r})) and, to start that run from this checkpoint, "
         "load it when the run starts fresh, before the loop: `if not run.resumed: "
         f"load_state({str(folder)!r}, model=model, optimizer=optimizer)`.")
-

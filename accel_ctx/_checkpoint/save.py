@@ -28,6 +28,7 @@ from . import state as owned
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
 # save or load, never by ``import accel_ctx``.
 
+
 @collective
 @checked
 def save_state(directory: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -232,4 +233,3 @@ def _epoch(stack: _state.Stack | None, loaders: list[tuple[str | None, Any]],
         if active is not None and active.loader is loader:
             return _position.next_epoch(positions[i])
     return max(_position.next_epoch(entry) for entry in positions)
-

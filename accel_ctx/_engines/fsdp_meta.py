@@ -200,4 +200,3 @@ def rank0_random_stream(job: Job) -> Iterator[None]:
         if cuda:
             torch.cuda.set_rng_state(states[1], job.device)
         yield
-

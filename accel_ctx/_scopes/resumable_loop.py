@@ -220,4 +220,3 @@ def _copies(module: Any, known: set[int]) -> list[nn.Module]:
         if all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(params, theirs, strict=True)):
             found.append(obj)
     return found
-
