@@ -167,4 +167,7 @@ def main_print(
     text("main_print", "end", end)
     flag("main_print", "flush", flush)
     if _state.coordinates().rank == 0:
-        print(*values, sep=sep, end=end, file=file, flush=flush)
+        # one write: print() writes each value, separator and end on its own, and on an
+        # unbuffered stream shared by several groups' launchers their lines spliced mid-line
+        line = (" " if sep is None else sep).join(map(str, values)) + ("\n" if end is None else end)
+        print(line, end="", file=file, flush=flush)

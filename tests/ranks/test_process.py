@@ -175,6 +175,18 @@ def test_single_process_runs_everything_and_meeting_points_return_at_once():
         with redirect_stdout(buffer):
             main_print("a", "b")
         assert buffer.getvalue() == "a b\n"
+        writes: list[str] = []  # one write per line: groups sharing a stream never splice lines
+
+        class Stream:
+            def write(self, text: str) -> int:
+                writes.append(text)
+                return len(text)
+
+            def flush(self) -> None: ...
+
+        main_print("done", 4, sep=": ", end=None, file=Stream())
+        main_print("x", "y", sep=None, file=Stream())
+        assert [w for w in writes if w] == ["done: 4\n", "x y\n"]
     assert work() == 7 and ran == [1, 1]
     wait_for_everyone()  # outside any scope too
 
