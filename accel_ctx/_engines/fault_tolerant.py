@@ -17,7 +17,9 @@ group, so that an undisturbed job trains every step with all of them.
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from typing import Any, Protocol
@@ -27,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from .._job.env import replica_marks
 from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
@@ -81,6 +84,28 @@ class _RecordingClient:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
+
+
+def mark_joined(rank: int, folder: str | None = None) -> None:
+    """Tell the group's launcher that this rank's replica runtime opened: an empty file
+    ``joined-<rank>`` in ``ACCEL_CTX_REPLICA_MARKS`` (or ``folder``), made whole at once (a
+    temporary file renamed); nothing where the variable is unset or the folder is gone.
+
+    >>> import os, tempfile
+    >>> with tempfile.TemporaryDirectory() as marks:
+    ...     mark_joined(1, marks)
+    ...     os.listdir(marks)
+    ['joined-1']
+    """
+    folder = folder or replica_marks()
+    if folder is None:
+        return
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=".joined-", dir=folder)
+        os.close(fd)
+        os.replace(temporary, os.path.join(folder, f"joined-{rank}"))
+    except OSError:  # the launcher removed its folder (it is ending): nobody reads the mark
+        pass
 
 
 def _group_of(replica_id: str) -> int:
@@ -142,6 +167,7 @@ class ReplicaGroupRuntime(Concern):
         self._client = _RecordingClient(self.manager._client)
         self.manager._client = self._client
         exits.callback(self.manager.shutdown, wait=False)
+        mark_joined(job.rank)
 
     def _unreachable(self, exc: BaseException) -> RendezvousError:
         return _events.unreachable(self.group, self.groups, self.address, exc)

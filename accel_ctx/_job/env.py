@@ -26,6 +26,8 @@ REPLICA_GROUP_VAR = "REPLICA_GROUP_ID"
 REPLICA_GROUPS_VAR = "NUM_REPLICA_GROUPS"
 REPLICA_TIMEOUT_VAR = "ACCEL_CTX_REPLICA_TIMEOUT"
 REPLICA_TIMEOUT_DEFAULT = 30.0
+# A folder the group's launcher watches: each worker marks there that its group's runtime opened
+REPLICA_MARKS_VAR = "ACCEL_CTX_REPLICA_MARKS"
 
 
 def seconds_from(name: str, purpose: str, error: type[Exception] = LaunchEnvironmentError,
@@ -52,6 +54,16 @@ def replica_timeout(env: Mapping[str, str] | None = None) -> float:
     seconds = seconds_from(REPLICA_TIMEOUT_VAR, f"(default {REPLICA_TIMEOUT_DEFAULT:g}) for the "
                            "replica groups' quorums and transfers", env=env)
     return REPLICA_TIMEOUT_DEFAULT if seconds is None else seconds
+
+
+def replica_marks(env: Mapping[str, str] | None = None) -> str | None:
+    """The folder where a replica group's worker marks that it joined its group
+    (``ACCEL_CTX_REPLICA_MARKS``, set by the group's launcher); None where it is unset.
+
+    >>> replica_marks({"ACCEL_CTX_REPLICA_MARKS": "/tmp/marks"})
+    '/tmp/marks'
+    """
+    return (os.environ if env is None else env).get(REPLICA_MARKS_VAR) or None
 
 
 @dataclass(frozen=True)
