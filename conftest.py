@@ -22,6 +22,9 @@ _TESTS = Path(__file__).resolve().parent / "tests"
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fast", action="store_true", help=(
         "the fast tier: only the tests that start no process (tests/_fast.py; ./dev test --fast)"))
+    parser.addoption("--record-durations", action="store_true", help=(
+        "merge each file's seconds into tests/durations.json, the order the files are handed "
+        "out in (tests/_durations.py; ./dev durations)"))
 
 
 def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:

@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from accel_ctx._hooks import patches as _patches
 from accel_ctx._kernel import state as _state
 
-from . import _fast, _timeouts
+from . import _durations, _fast, _timeouts
 
 torch.set_num_threads(1)
 
@@ -118,50 +118,6 @@ def fast_tier_starts_no_process(request, monkeypatch):
         _fast.guard(monkeypatch)
 
 
-# The test files that take longest (launcher runs, spawned ranks, timeouts waited out), in the
-# order the workers take them. `./dev test` runs the files on two pytest-xdist workers (--dist
-# loadfile), each file on one worker, handed out in collection order (pytest_configure below):
-# these go first, so that what is left for the end, when a worker that is done has nothing more
-# to take, is short. xdist's own order (most tests first) left them for the end. A file over
-# ~8 s belongs here. The suite keeps both cores busy, except where both workers wait out
-# timeouts at once: the files that mostly wait ("wait") are placed to run beside one that
-# computes, the first ones beside resumable/test_resumable.py, the next ones beside
-# tensor_parallel/test_tensor_parallel.py (seconds: in a full run on a 2-core machine).
-LONGEST_FIRST = (
-    "resumable/test_resumable.py",  # ~165 s (~100 s alone)
-    "distributed/test_replica_groups_misuse.py",  # ~190 s: two 30 s waits
-    "distributed/test_replica_groups.py",  # ~100 s: 3 groups, a kill, a restart (x2)
-    "distributed/test_replica_groups_resume.py",  # ~100 s
-    "distributed/test_replica_groups_equal.py",  # ~80 s
-    "distributed/test_local_sgd_groups.py",  # ~50 s
-    "distributed/test_replica_groups_nodes.py",
-    "group/test_blame_trust.py",  # wait
-    "group/test_fidelity_waits.py",  # wait
-    "resumable/test_resumable_elastic.py",
-    "launcher/test_cli_launch.py",
-    "tensor_parallel/test_tensor_parallel.py",  # ~90 s
-    "checkpoints/test_checkpoint_trust.py",  # wait
-    "group/test_process_failures.py",  # wait
-    "group/test_rendezvous_trust.py",  # wait
-    "group/test_two_hosts_trust.py",  # wait, in part
-    "package/test_examples.py",
-    "compile/test_compile.py",
-    "checkpoints/test_sharded_checkpoint.py",
-    "checkpoints/test_checkpoint_mp.py",
-    "precision/test_fp8.py",
-    "ranks/test_parity.py",
-    "launcher/test_launch_trust.py",
-    "sharded/test_sharded.py",
-    "checkpoints/test_checkpoint_kill.py",
-    "distributed/test_fidelity_scripts.py",
-    "distributed/test_fidelity.py",
-    "sharded/test_sharded_trust.py",
-    "package/test_demo.py",
-    "launcher/test_launch_fn.py",
-    "package/test_docs.py",  # ~8 s
-    "package/test_quiet.py",  # ~8 s
-    "scopes/test_foundation_mp.py",
-)
 _TESTS = Path(__file__).resolve().parent
 
 # The compat tier (`./dev compat VERSION`, `-m compat`): the files that drive every entry point
@@ -193,21 +149,19 @@ def pytest_configure(config):
                             "(found at collection by tests/_fast.py, or marked by hand)")
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order made below
         config.option.loadscopereorder = False
+    if config.getoption("record_durations", False) and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_durations.Recorder(config.rootpath), "accel_ctx-durations")
 
 
-def _dispatch_order(items: list[pytest.Item]) -> list[pytest.Item]:
-    """The files of LONGEST_FIRST in that order, then the others as xdist would order them
-    (most tests first); each file's tests stay together, in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+def _dispatch_order(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
+    """The files longest first, as the suite recorded them (tests/_durations.py), new ones
+    before all; each file's tests stay together, in their order."""
     files: dict[Path, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(Path(item.path), []).append(item)
-
-    def key(path: Path) -> tuple[int, int]:
-        listed = rank.get(path.relative_to(_TESTS).as_posix()) if _TESTS in path.parents else None
-        return (len(rank) if listed is None else listed, -len(files[path]))
-
-    return [item for path in sorted(files, key=key) for item in files[path]]
+    ordered = _durations.order({path: len(tests) for path, tests in files.items()}, root,
+                               _durations.load())
+    return [item for path in ordered for item in files[path]]
 
 
 def pytest_itemcollected(item):  # before `-m` selects
@@ -223,7 +177,7 @@ def pytest_collection_modifyitems(config, items):
     if config.getoption("fast", False):  # the fast tier: what starts no process
         config.hook.pytest_deselected(items=[i for i in items if _fast.MARKER in i.keywords])
         items[:] = [i for i in items if _fast.MARKER not in i.keywords]
-    items[:] = _dispatch_order(items)
+    items[:] = _dispatch_order(items, config.rootpath)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device (NCCL, CUDA autocast); none here")
