@@ -48,6 +48,7 @@ from .._options import checked
 from ..errors import ConfigurationError
 from .accumulate import _PausesEngines
 from .distributed import DistributedRuntime
+from .local_sgd_checks import check_outer_optimizer, check_steps, refuse_alone
 
 __all__ = ["OuterOptimizer", "local_sgd"]
 
@@ -88,6 +89,7 @@ class LocalSGDRuntime(_PausesEngines):
         self._restored: list[dict[str, Any]] = []  # saved periods not started yet
         self._job: Job | None = None  # the job open at the first step
         self._checked: _state.Stack | None = None
+        self._passes = -1  # the session's backward count at the scope's first forward
 
     @override
     def _vote(self, call: ForwardCall, session: Session) -> bool:
@@ -98,7 +100,10 @@ class LocalSGDRuntime(_PausesEngines):
         stack = _state.current()
         if stack is not self._checked:  # sharded() opened inside local_sgd(): once per stack
             _refuse_parts(stack)
+            refuse_alone(stack, self.every)
             self._checked = stack
+        if self._passes < 0:  # every rank in step: the ranks' counts are compared from here
+            self._passes = session.backward_calls
         super().before_forward(call, session)
 
     @override
@@ -125,6 +130,7 @@ class LocalSGDRuntime(_PausesEngines):
     def _start(self, record: OptimizerRecord) -> _Period:
         stack = _state.current()
         assert stack is not None  # a step gate runs inside the stack
+        refuse_alone(stack, self.every)  # (a loop with no module call: refused at its step)
         optimizer = next(o for o, r in stack.session.optimizers.items() if r is record)
         if not self._started:
             self._job = stack.job  # the job the periods synchronise in (checked at the exit)
@@ -145,10 +151,21 @@ class LocalSGDRuntime(_PausesEngines):
         self._started.append(period)
         return period
 
+    def _check(self, period: _Period, job: Job | None, final: bool) -> None:
+        """Every rank of the job at the same step (:func:`check_steps`)."""
+        stack = _state.current()
+        if job is None or stack is None or job.world_size < 2:
+            return
+        passes = stack.session.backward_calls - max(self._passes, 0)
+        what = "its optimizer" if len(self._started) == 1 else (
+            f"optimizer {self._started.index(period) + 1} of {len(self._started)}")
+        check_steps(job, period.steps, passes, self.every, what, final)
+
     @torch.no_grad()
-    def _sync(self, period: _Period) -> None:
+    def _sync(self, period: _Period, final: bool = False) -> None:
         stack = _state.current()
         job = stack.job if stack is not None else None
+        self._check(period, job, final)
         replicas = stack.find(ReplicaGroupRuntime) if stack is not None else None
         params = period.params()
         if period.shared is None:  # plain Local SGD: the average of every rank's parameters
@@ -182,9 +199,14 @@ class LocalSGDRuntime(_PausesEngines):
         self.close()
         if exc_type is not None or _state.current_job() is not self._job:
             return  # (a distributed() opened inside this scope has closed already)
+        job = self._job
         for period in self._started:
-            if period.steps % self.every and period.optimizer() is not None:
-                self._sync(period)
+            if period.optimizer() is None:
+                continue
+            if period.steps % self.every:
+                self._sync(period, final=True)
+            else:  # no sync is due here: every rank must agree on that too
+                self._check(period, job, final=True)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -300,6 +322,8 @@ class local_sgd(Scope):
                 "that builds the outer optimizer from the parameters it is given (the scope's "
                 "copy of the synchronised weights, not the model's), e.g. "
                 "functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True).")
+        if outer_optimizer is not None:
+            check_outer_optimizer(outer_optimizer)  # called as outer_optimizer(params)
         self.every = every
         self.outer_optimizer = outer_optimizer
 

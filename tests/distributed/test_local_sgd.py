@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from accel_ctx import distributed, load_state, local_sgd, save_state, sharded
-from accel_ctx.errors import ConfigurationError
+from accel_ctx.errors import ArgumentError, ConfigurationError
 
 from .._spawn import spawn
 from ..workers import local_sgd as worker
@@ -85,6 +85,12 @@ def test_misuse_is_refused_with_the_fix():
     opt = torch.optim.SGD(MLP().parameters(), lr=0.1)
     with pytest.raises(ConfigurationError, match=r"functools\.partial"):
         local_sgd(every=2, outer_optimizer=opt)  # type: ignore[arg-type]
+    for wrong in (lambda params, lr: torch.optim.SGD(params, lr=lr), lambda: None,
+                  functools.partial(torch.optim.SGD, torch.zeros(1), lr=0.1)):
+        # called as outer_optimizer(params): refused at once, not a bare TypeError at step H
+        with pytest.raises(ArgumentError, match=r"cannot be called as outer_optimizer\(params\)"
+                           r".*a function of one argument.*functools\.partial"):
+            local_sgd(every=2, outer_optimizer=wrong)  # type: ignore[arg-type]
     with pytest.raises(ConfigurationError, match=r"not a torch\.optim\.Optimizer"):
         _train(local_sgd(every=2, outer_optimizer=lambda params: None))  # type: ignore[arg-type,return-value]
     with sharded(), pytest.raises(ConfigurationError, match="sharded"), local_sgd(every=2):
