@@ -7,18 +7,21 @@ accumulation its group. Nothing here knows a concern by name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 from typing_extensions import override
 
+from .._job import env as _env
 from .._job.coordinates import Coordinates
 from .._job.job import Job, process_job
 from .._kernel import state as _state
 from .._kernel.concern import LossScaling
 from .._kernel.session import Session
 from .._options import checked
+from .._warn import warn_user
 
 
 class _DeviceCounts:
@@ -127,6 +130,28 @@ def _facts(job: Job) -> dict[str, Any]:
     return {**job.coordinates.as_dict(), "device": job.device, "backend": job.backend}
 
 
+_warned_alone = False  # state() outside distributed() in a replica group: said once
+
+
+def _warn_outside_replica_group() -> None:
+    """Warn once where a process started in a replica group reads state() with no
+    ``distributed()`` open: it answers for a lone process, and ``while state().step < N``
+    would never end (nothing outside the scope advances the job's step)."""
+    global _warned_alone
+    if _warned_alone or not os.environ.get(_env.LIGHTHOUSE_VAR):
+        return
+    _warned_alone = True
+    group = os.environ.get(_env.REPLICA_GROUP_VAR, "?")
+    groups = os.environ.get(_env.REPLICA_GROUPS_VAR, "?")
+    warn_user(
+        f"state() was read outside distributed() in a process of replica group {group} of "
+        f"{groups} ({_env.LIGHTHOUSE_VAR} is set: accel-ctx launch --replica-groups): it "
+        "answers for this process alone (rank 0 of 1, and a step no step of the job advances: "
+        "`while state().step < N` would never end), and the groups do not train together. "
+        "Open `with distributed():` around the training loop: inside it the groups train one "
+        "model and state().step counts the job's committed steps.")
+
+
 @checked
 def state() -> State:
     """Where this process stands: rank, world size, device and the active settings.
@@ -149,6 +174,8 @@ def state() -> State:
         job = process_job()  # a helper thread of a rank: its process's coordinates
         if job is not None:
             values.update(_facts(job))
+        else:
+            _warn_outside_replica_group()
     if stack is None:
         return State(**values)
     values["step"] = stack.session.step
