@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
 
 import accel_ctx
 
@@ -17,53 +23,66 @@ def test_every_public_name_resolves_under_the_public_module():
             assert value.__module__ == "accel_ctx", name
 
 
-def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded():
-    code = (
-        "import sys, accel_ctx\n"
-        "wings = [m for m in sys.modules if m.startswith(('accel_ctx._checkpoint', "
-        "'accel_ctx._launch'))]\n"
-        "assert not wings, wings\n"
-        "from accel_ctx import save_state, launch\n"
-        "assert 'accel_ctx._checkpoint' in sys.modules and 'accel_ctx._launch' in sys.modules\n"
-    )
+# The import-state checks share two fresh interpreters (each costs a torch import), not one
+# each: the steps run in the order that keeps each check's premise (no torch before the
+# package's first name, no wing before its first name). The commands' checks need one of their
+# own: the CLI loads the launcher wing before any torch, the package's checks the reverse.
+_PACKAGE = """
+import json, sys
+seen = {}
+import accel_ctx
+seen['torch_at_import'] = 'torch' in sys.modules  # importing the package loads nothing heavy
+accel_ctx.state
+seen['torch_at_first_name'] = 'torch' in sys.modules  # a name loads its module on first use
+from accel_ctx import distributed, sharded, mixed_precision, accumulate, no_sync
+import accel_ctx._engines.choice, accel_ctx._engines.tensor_parallel
+seen['dtensor'] = [m for m in sys.modules if m.startswith('torch.distributed.tensor')][:3]
+seen['wings'] = [m for m in sys.modules
+                 if m.startswith(('accel_ctx._checkpoint', 'accel_ctx._launch'))]
+from accel_ctx import save_state, launch
+seen['wings_after'] = ['accel_ctx._checkpoint' in sys.modules, 'accel_ctx._launch' in sys.modules]
+print(json.dumps(seen))
+"""
+_COMMANDS = """
+import contextlib, io, json, sys
+from accel_ctx.cli import main
+seen = []
+for argv in (['--help'], ['launch', '--help'], ['launch', '-n', '2', '--help'],
+             ['config', '--show'], ['env', '--help']):
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(argv)
+    seen.append([argv, code, 'torch' in sys.modules])
+print(json.dumps(seen))
+"""
+
+
+def _fresh_interpreter(code: str, home: Path) -> Any:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=scaled(120))
+                            timeout=scaled(120), cwd=home, env={**os.environ, "HOME": str(home)})
     assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_importing_the_scopes_loads_no_dtensor_code():
+@pytest.fixture(scope="module")
+def package_imports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return cast(dict[str, Any], _fresh_interpreter(_PACKAGE, tmp_path_factory.mktemp("home")))
+
+
+def test_importing_leaves_the_checkpoint_and_launcher_wings_unloaded(package_imports):
+    assert package_imports["wings"] == []
+    assert package_imports["wings_after"] == [True, True]
+
+
+def test_importing_the_scopes_loads_no_dtensor_code(package_imports):
     """torch.distributed.tensor (about a second) loads only once a tensor plan is used."""
-    code = (
-        "import sys, accel_ctx\n"
-        "from accel_ctx import distributed, sharded, mixed_precision, accumulate, no_sync\n"
-        "accel_ctx.state\n"
-        "import accel_ctx._engines.choice, accel_ctx._engines.tensor_parallel\n"
-        "loaded = [m for m in sys.modules if m.startswith('torch.distributed.tensor')]\n"
-        "assert not loaded, loaded[:3]\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=scaled(120))
-    assert result.returncode == 0, result.stderr
+    assert package_imports["dtensor"] == []
 
 
-def test_the_commands_help_and_config_import_no_torch(tmp_path):
-    code = (
-        "import sys, contextlib, io\n"
-        "from accel_ctx.cli import main\n"
-        "for argv in (['--help'], ['launch', '--help'], ['launch', '-n', '2', '--help'],\n"
-        "             ['config', '--show'], ['env', '--help']):\n"
-        "    with contextlib.redirect_stdout(io.StringIO()):\n"
-        "        assert main(argv) == 0, argv\n"
-        "    assert 'torch' not in sys.modules, argv\n"
-        "import accel_ctx\n"
-        "assert 'torch' not in sys.modules  # importing the package loads nothing heavy\n"
-        "accel_ctx.state\n"
-        "assert 'torch' in sys.modules  # a name loads its module on first use\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=scaled(120), cwd=tmp_path, env={**__import__("os").environ,
-                                                            "HOME": str(tmp_path)})
-    assert result.returncode == 0, result.stderr
+def test_the_commands_help_and_config_import_no_torch(tmp_path, package_imports):
+    for argv, code, torch_loaded in _fresh_interpreter(_COMMANDS, tmp_path):
+        assert code == 0 and not torch_loaded, argv
+    assert not package_imports["torch_at_import"]
+    assert package_imports["torch_at_first_name"]
 
 
 def test_every_module_has_its_place_in_the_layers_contract():
