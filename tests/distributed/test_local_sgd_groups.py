@@ -105,3 +105,37 @@ def test_local_sgd_and_diloco_over_two_groups_equal_the_algorithms_by_hand(
             assert same == ((step + 1) % H == 0), (name, step + 1)
         assert _close(runs[0]["after_exit"], runs[1]["after_exit"], rtol=0, atol=0), name
         first_step += STEPS
+
+
+def test_a_group_killed_under_diloco_heals_its_step_counts_and_outer_state(
+        tmp_path: Path) -> None:
+    # group 1 dies after step 4 (its outer optimizer has a momentum from the sync at step 3),
+    # restarts and heals: from the peer it receives local_sgd()'s step counts, DiLoCo's global
+    # weights and its outer optimizer's state, so every sync after the heal is bit-identical
+    # (a fresh outer state would give other weights at every sync, and steps out of phase)
+    out = tmp_path / "out"
+    out.mkdir()
+    script = str(_launcher.SCRIPTS / "local_sgd_heal.py")
+    proc, log = _launcher.start(["-n", "1", "--replica-groups", "2", "--max-restarts", "1",
+                                 script, str(out), "9", "1", "4"], tmp_path, "heal.log",
+                                fork_replica_workers=True)
+    code = _launcher.finish(proc, 300)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "replica group 1 healed from replica group 0" in text, text[-3000:]
+    survivor, healed = (torch.load(out / f"group{g}-rank0.pt") for g in (0, 1))
+    assert survivor["restart"] == 0 and healed["restart"] == 1
+    by_step = {s["step"]: s for s in survivor["seen"]}
+    assert sorted(by_step) == list(range(1, len(by_step) + 1))  # the survivor never stopped
+    steps = [s["step"] for s in healed["seen"]]
+    first = steps[0]
+    # it counts on from its peer's step, healed at a period's start (after a sync)
+    assert first > 4 and (first - 1) % H == 0, steps
+    assert steps == list(range(first, first + len(steps))), steps
+    syncs = 0
+    for s in healed["seen"]:
+        peer = by_step[s["step"]]
+        same = _close(s["weights"], peer["weights"], rtol=0, atol=0)
+        assert same == (s["step"] % H == 0), (s["step"], first)  # apart between syncs
+        syncs += s["step"] % H == 0
+    assert syncs >= 3, steps
