@@ -55,6 +55,7 @@ def launch_main(argv: Sequence[str]) -> int:
     """Run ``accel-ctx launch``."""
     from pathlib import Path
 
+    from ._job import env as _env
     from ._launch import args as _launch_args
     from ._launch import replica_groups as _replica_groups
     from ._launch import script as _script
@@ -65,6 +66,10 @@ def launch_main(argv: Sequence[str]) -> int:
     if not argv:  # nothing to run: a usage error, as for `accel-ctx` alone
         print(launch_help(), end="", file=sys.stderr)
         return 2
+    if not _replica_groups.die_with_launcher(os.environ):  # first: nothing may outlive it
+        print("accel-ctx launch: the `accel-ctx launch --replica-groups` that started this "
+              "replica group ended before it began; nothing was started.", file=sys.stderr)
+        return 128 + signal.SIGTERM
     try:
         if _launch_args.wants_help(argv):  # --help imports no torch
             print(launch_help(), end="")
@@ -83,13 +88,46 @@ def launch_main(argv: Sequence[str]) -> int:
     if plan.network.warning:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
     if _replica_groups.wanted(plan.settings, os.environ):  # a lighthouse, a launcher per group
-        return _replica_groups.run(argv, int(plan.settings["replica_groups"]), os.environ, fail)
+        return _replica_groups.run(argv, int(plan.settings["replica_groups"]), os.environ, fail,
+                                   plan.settings.get("lighthouse_bind"))
     held = master_held(plan.settings.get("master")) or _replica_groups.unreachable(plan.settings)
     if held:
         print(f"accel-ctx launch: {held}", file=sys.stderr)
         return 1
     os.environ.update(plan.env)  # this process is the launcher: the workers inherit them
-    return run_torchrun(options, plan.settings, plan.network.note)
+    if not os.environ.get(_env.LIGHTHOUSE_VAR):
+        return run_torchrun(options, plan.settings, plan.network.note)
+    return run_replica_group(options, plan.settings, plan.network.note)
+
+
+def run_replica_group(
+    options: argparse.Namespace, settings: dict[str, Any], network_note: str = ""
+) -> int:
+    """One replica group's launcher: :func:`run_torchrun` watched by
+    :func:`accel_ctx._launch.group_watch.watch`, its workers told where to mark that they
+    joined; 1 with one line when they all ended 0 and none did (no ``distributed()``)."""
+    from ._job import env as _env
+    from ._launch import group_watch
+
+    group = int(os.environ.get(_env.REPLICA_GROUP_VAR) or 0)
+    marks = group_watch.make_marks(os.environ)
+    os.environ[_env.REPLICA_MARKS_VAR] = marks
+    try:
+        with group_watch.watch(os.environ[_env.LIGHTHOUSE_VAR], group,
+                               lambda failures, left, most: group_failure(
+                                   failures, group, left, most),
+                               multi_machine="lighthouse" in settings):
+            code = run_torchrun(options, settings, network_note, group=group)
+        alone = group_watch.never_joined(marks, group) if code == 0 else ""
+    except group_watch.LighthouseLost as exc:
+        print(f"accel-ctx launch: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        group_watch.drop_marks(marks)
+    if alone:
+        print(f"accel-ctx launch: {alone}", file=sys.stderr)
+        return 1
+    return code
 
 
 def torchrun_options(args: Sequence[str], script_args: int) -> argparse.Namespace:
@@ -137,7 +175,8 @@ def master_held(master: Any, seconds: float = 10.0) -> str:
 
 
 def run_torchrun(
-    options: argparse.Namespace, settings: dict[str, Any], network_note: str = ""
+    options: argparse.Namespace, settings: dict[str, Any], network_note: str = "",
+    group: int | None = None,
 ) -> int:
     """Hand torchrun's ``options`` (:func:`torchrun_options`) to torchrun; turn its failures
     into one clear message and an exit code.
@@ -145,7 +184,8 @@ def run_torchrun(
     The exit code is the script's own (that of the rank that failed first; 128 + N for a rank
     killed by signal N); a launcher stopped by a signal (Ctrl-C) exits with 128 + N after one
     line, as a shell does. ``network_note`` (several nodes: the addresses this node tried)
-    follows a failure.
+    follows a failure. A replica ``group``'s launcher said its failure already (each as it
+    happened, :func:`group_failure`): torchrun's table is not printed again.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
@@ -162,6 +202,8 @@ def run_torchrun(
     except KeyboardInterrupt:  # Ctrl-C before torchrun's own handler was installed
         return interrupted(signal.SIGINT)
     except ChildFailedError as exc:
+        if group is not None:
+            return failure_exit_code(exc)
         print(describe_failure(exc, settings.get("max_restarts", 0)), file=sys.stderr)
         if network_note:
             print(f"accel-ctx launch: if the failure is ranks not reaching each other:"
@@ -302,6 +344,42 @@ def describe_failure(exc: Any, max_restarts: int) -> str:
         f"{exc.format_msg()}\naccel-ctx launch: rank {rank} (local rank {failure.local_rank}, "
         f"pid {failure.pid}) {how}; the job stopped every rank{retry}."
     )
+
+
+def group_failure(failures: Any, group: int, left: int, max_restarts: int) -> str:
+    """One line for a failure of replica ``group``'s workers (torchrun's ``failures``, by rank),
+    in place of torchrun's own: the rank that caused it (see ``_verdict``), how it ended, and
+    what the group does next (``left`` of ``max_restarts`` restarts).
+
+    Examples:
+        >>> from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+        >>> killed = ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file="")
+        >>> print(group_failure({0: killed}, 1, 3, 3))  # doctest: +NORMALIZE_WHITESPACE
+        accel-ctx launch: rank 0 of replica group 1 (local rank 0, pid 7) was killed by signal
+        SIGKILL; the group restarts its workers (restart 1 of 3), which heal from a live group.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    rank, failure, namer, _ = _verdict(ChildFailedError("worker", dict(failures)))
+    who = f"rank {rank} of replica group {group}"
+    if namer is not None:
+        by = f" (named by rank {namer[0]})" if namer[0] != rank else ""
+        what = f"{who} caused the failure{by}: {namer[1]}"
+    elif failure.exitcode < 0:
+        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) was killed by "
+                f"signal {failure.signal_name()}")
+    else:
+        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) exited with code "
+                f"{failure.exitcode} (its output is above)")
+    if left > 0:
+        then = (f"the group restarts its workers (restart {max_restarts - left + 1} of "
+                f"{max_restarts}), which heal from a live group")
+    elif max_restarts:
+        then = f"the group ends, its {max_restarts} restart(s) spent"
+    else:
+        then = ("the group ends (add --max-restarts K to restart its workers, which then heal "
+                "from a live group)")
+    return f"accel-ctx launch: {what}; {then}."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,7 +16,7 @@ from ..errors import ConfigurationError
 from . import config as _config
 from . import netif as _netif
 from . import replica_groups as _replica_groups
-from .nproc import check_process_count, check_torchrun_nproc, local_gpus
+from .nproc import check_process_count, check_replica_groups, check_torchrun_nproc, local_gpus
 from .settings import CONFIG_FLAG, SETTINGS, Value, check, setting, split_host_port
 
 
@@ -185,6 +185,12 @@ def plan(
                             f"nproc = {nproc} (in {where})", environ)
         settings["nproc"] = nproc
         args += ["--nproc-per-node", str(nproc)]
+    groups = int(settings.get("replica_groups", 1))
+    if groups > 1 and "lighthouse" not in settings:  # every group on this machine
+        per_group = (settings["nproc"] if not parsed.given(*_TORCHRUN_NPROC)
+                     else parsed.value(*_TORCHRUN_NPROC) or "")
+        # torchrun's words (auto, gpu...) count the devices; one per group is the least
+        check_replica_groups(groups, int(per_group) if str(per_group).isdigit() else 1, environ)
     nnodes = settings.get("nnodes", 1)
     args += ["--nnodes", str(nnodes)]
     max_nodes = int(str(nnodes).rsplit(":", 1)[-1])

@@ -9,8 +9,8 @@ timeouts).
 Examples:
     >>> from accel_ctx._launch.lighthouse import parser
     >>> options = parser().parse_args(["--min-replicas", "2"])
-    >>> options.min_replicas, options.port, options.bind
-    (2, 29510, '[::]')
+    >>> options.min_replicas, options.port, options.bind  # bind: the config's, else [::]
+    (2, 29510, None)
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import threading
 from collections.abc import Sequence
 
 from ..errors import AccelCtxError, ConfigurationError
-from .config import fail
-from .replica_groups import FT_INSTALL, start_lighthouse
+from .config import fail, load
+from .replica_groups import FT_INSTALL, bracketed, start_lighthouse
 
 DEFAULT_PORT = 29510
 """Beside torchrun's 29500, as the groups' own rendezvous ports are (one machine: any)."""
@@ -47,8 +47,9 @@ def parser() -> argparse.ArgumentParser:
                    "last group alive trains alone)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, metavar="P",
                    help=f"the port to listen on (default {DEFAULT_PORT}; 0: one the OS picks)")
-    p.add_argument("--bind", default="[::]", metavar="ADDR",
-                   help="the address to listen on (default [::]: every interface)")
+    p.add_argument("--bind", default=None, metavar="ADDR",
+                   help="the address to listen on (default: lighthouse_bind in the config "
+                   "files, else [::]: every interface)")
     return p
 
 
@@ -60,8 +61,10 @@ def lighthouse_main(argv: Sequence[str]) -> int:
             raise ConfigurationError(
                 f"--min-replicas {options.min_replicas} --port {options.port}: give "
                 "--min-replicas 1 or more and a port from 0 to 65535.")
-        bind = options.bind.strip()
-        host = f"[{bind}]" if ":" in bind and not bind.startswith("[") else bind
+        bind = options.bind
+        if bind is None:  # the config files' lighthouse_bind (`accel-ctx config`), else all
+            bind = str(load(environ=os.environ).values.get("lighthouse_bind", "[::]"))
+        host = bracketed(bind)
         # torchft's Rust side logs every quorum at INFO; its warnings and errors stay
         os.environ.setdefault("RUST_LOG", "warn")
         try:

@@ -43,18 +43,58 @@ def process_limit(environ: Mapping[str, str]) -> int:
     return max(64, 4 * (os.cpu_count() or 1))
 
 
-def check_process_count(count: int, what: str, environ: Mapping[str, str]) -> None:
-    """Refuse a number of local processes no machine runs (``-n 1000000``), before starting any."""
+_FEWER = ("Give fewer: usually one per GPU, or a few per CPU core; with several machines, -n "
+          "counts per machine and --nnodes counts machines.")
+
+
+def check_process_count(count: int, what: str, environ: Mapping[str, str],
+                        fix: str = _FEWER) -> None:
+    """Refuse a number of local processes no machine runs (``-n 1000000``), before starting any;
+    ``fix`` says what to give instead."""
     limit = process_limit(environ)
     if count > limit:
         why = (f"the limit set by {MAX_NPROC_VAR}" if environ.get(MAX_NPROC_VAR, "").strip()
                else f"max(64, 4 x {os.cpu_count() or 1} CPU cores)")
         raise ConfigurationError(
             f"{what} asks for {count} processes on this machine, more than it can run "
-            f"(at most {limit}: {why}). Give fewer: usually one per GPU, or a few per CPU "
-            f"core; with several machines, -n counts per machine and --nnodes counts machines. "
-            f"If you really mean {count}, set {MAX_NPROC_VAR}={count}."
+            f"(at most {limit}: {why}). {fix} If you really mean {count}, set "
+            f"{MAX_NPROC_VAR}={count}."
         )
+
+
+def group_limit(environ: Mapping[str, str]) -> int:
+    """The most replica groups ``launch --replica-groups R`` starts on one machine: each is a
+    launcher of its own (a Python with torch and torchrun's agent) besides its workers, so
+    max(16, CPU cores), or ``ACCEL_CTX_MAX_NPROC`` where set.
+
+    Examples:
+        >>> from accel_ctx._launch.nproc import group_limit
+        >>> group_limit({"ACCEL_CTX_MAX_NPROC": "200"}), group_limit({}) >= 16
+        (200, True)
+    """
+    if environ.get(MAX_NPROC_VAR, "").strip():
+        return process_limit(environ)
+    return max(16, os.cpu_count() or 1)
+
+
+def check_replica_groups(groups: int, nproc: int, environ: Mapping[str, str]) -> None:
+    """Refuse ``--replica-groups R`` on one machine that no machine runs: more than
+    :func:`group_limit` groups, or R x -n processes over :func:`process_limit` (the limit of
+    ``-n`` alone), before starting any."""
+    several = ("or run the groups on several machines (`accel-ctx lighthouse`, then `accel-ctx "
+               "launch --lighthouse HOST:PORT --replica-group I` on each).")
+    limit = group_limit(environ)
+    if groups > limit:
+        why = (f"the limit set by {MAX_NPROC_VAR}" if environ.get(MAX_NPROC_VAR, "").strip()
+               else f"max(16, {os.cpu_count() or 1} CPU cores)")
+        raise ConfigurationError(
+            f"--replica-groups {groups} starts {groups} group launchers on this machine (each a "
+            f"Python with torch and torchrun's agent, besides its workers), more than it runs "
+            f"well (at most {limit}: {why}). Give fewer groups, {several} If you really mean "
+            f"{groups}, set {MAX_NPROC_VAR}={groups * max(nproc, 1)}.")
+    check_process_count(
+        groups * nproc, f"--replica-groups {groups} with -n {nproc} ({groups} groups of {nproc})",
+        environ, fix=f"Give fewer groups or fewer processes per group (-n), {several}")
 
 
 def check_torchrun_nproc(value: str, environ: Mapping[str, str]) -> None:

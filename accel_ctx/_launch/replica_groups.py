@@ -14,18 +14,30 @@ its workers the same variables, and :func:`unreachable` waits for the lighthouse
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 from .._job import env as _env
 from ..errors import AccelCtxError, ConfigurationError
 from .settings import split_host_port
+from .signals import children_of
+
+LOOPBACK = "127.0.0.1:0"
+"""Where the lighthouse of ``launch --replica-groups`` listens: its groups run on this machine."""
+PARENT_VAR = "ACCEL_CTX_REPLICA_LAUNCHER"
+"""The pid of ``launch --replica-groups`` in each group launcher's environment: it ends with it."""
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+_GRACE_S = 60.0  # a group's agent stops its workers (SIGTERM, 30 s, SIGKILL) within this
+_WILDCARDS = ("[::]", "0.0.0.0", "::", "")
 
 # accel_ctx has no release on PyPI: torchft itself, or the extra from where accel_ctx was installed
 FT_INSTALL = ("pip install 'torchft>=0.2' (the package of accel_ctx's ft extra: in the accel_ctx "
@@ -76,7 +88,9 @@ def unreachable(settings: Mapping[str, object], seconds: float | None = None) ->
 
     The lighthouse may start a little after the groups: a connection is tried again until
     ``seconds`` have passed, before any worker starts (torchft's Manager would otherwise wait
-    on it, silently, for its own timeouts)."""
+    on it, silently, for its own timeouts). What answers must be a torchft lighthouse: its HTTP
+    side serves a status page at ``GET /`` (beside the gRPC the Managers speak, on the same
+    port); another program's port is named within a few seconds."""
     if seconds is None:
         seconds = _env.replica_timeout()
     address = str(settings.get("lighthouse") or "")
@@ -86,8 +100,14 @@ def unreachable(settings: Mapping[str, object], seconds: float | None = None) ->
     deadline = time.monotonic() + seconds
     while True:
         try:
-            with socket.create_connection((host, port), timeout=min(5.0, seconds)):
+            with socket.create_connection((host, port), timeout=min(5.0, seconds)) as conn:
+                other = not_a_lighthouse(conn, host)
+            if not other:
                 return ""
+            return (f"something answers at http://{address}, but it is not a torchft lighthouse "
+                    f"({other}): another program holds that port, or --lighthouse names the "
+                    "wrong one. Give the HOST:PORT that `accel-ctx lighthouse` printed "
+                    "(\"listening at ...\").")
         except OSError as exc:
             why = exc.strerror or type(exc).__name__
         if time.monotonic() + 1 > deadline:
@@ -98,9 +118,37 @@ def unreachable(settings: Mapping[str, object], seconds: float | None = None) ->
             "first, or check --lighthouse (the host and port it printed).")
 
 
-def start_lighthouse(bind: str = "[::]:0", min_replicas: int = 1,
+def not_a_lighthouse(conn: socket.socket, host: str, seconds: float = 5.0) -> str:
+    """What the server on ``conn`` did instead of answering as a lighthouse, or ''.
+
+    torchft's lighthouse answers ``GET /`` with its dashboard ("Lighthouse Dashboard -
+    torchft"), at once."""
+    conn.settimeout(seconds)
+    answer = b""
+    try:
+        conn.sendall(f"GET / HTTP/1.0\r\nHost: {host}\r\n\r\n".encode())
+        deadline = time.monotonic() + seconds
+        while len(answer) < 65536 and time.monotonic() < deadline:
+            data = conn.recv(65536)
+            if not data:
+                break
+            answer += data
+    except TimeoutError:
+        if not answer:
+            return f"it accepted the connection but sent nothing within {seconds:g} s"
+    except OSError:  # reset: closed with our request unread
+        pass
+    if b"lighthouse" in answer.lower() and b"torchft" in answer.lower():
+        return ""
+    if not answer:
+        return "it closed the connection without an answer"
+    first = answer.split(b"\r\n", 1)[0].split(b"\n", 1)[0][:60].decode("ascii", "replace")
+    return f"it answered {first!r}"
+
+
+def start_lighthouse(bind: str = LOOPBACK, min_replicas: int = 1,
                      missing: str = _NO_TORCHFT) -> Any:
-    """torchft's lighthouse at ``bind`` (every interface, a port the OS picks), any
+    """torchft's lighthouse at ``bind`` (default: loopback, a port the OS picks), any
     ``min_replicas`` groups a quorum. A group that stops beating is dropped after 2 s; a
     returning group joins within 1 s. ``missing``: the error without torchft."""
     try:
@@ -111,74 +159,158 @@ def start_lighthouse(bind: str = "[::]:0", min_replicas: int = 1,
                             quorum_tick_ms=100, heartbeat_timeout_ms=2000)
 
 
+def bracketed(host: str) -> str:
+    """An IPv6 address in brackets, as ``HOST:PORT`` needs it; any other host as it is.
+
+    Examples:
+        >>> bracketed("::1"), bracketed("[::]"), bracketed("10.0.0.1")
+        ('[::1]', '[::]', '10.0.0.1')
+    """
+    host = host.strip()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def die_with_launcher(environ: MutableMapping[str, str]) -> bool:
+    """In a group's launcher that ``launch --replica-groups`` started: end when it ends.
+
+    Linux's ``PR_SET_PDEATHSIG`` sends this process SIGTERM when its parent dies, even by
+    SIGKILL (torchrun's agent then stops the group's workers, as for any SIGTERM); elsewhere a
+    thread watches the parent. False when the parent is gone already (it died before this
+    process could ask): nothing may start then."""
+    parent = environ.pop(PARENT_VAR, "")
+    if not parent.isdigit():
+        return True  # not started by run(): a launcher of its own
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        except (OSError, AttributeError):  # no prctl (another libc): the thread does it
+            _watch_parent(int(parent))
+    else:
+        _watch_parent(int(parent))
+    return os.getppid() == int(parent)
+
+
+def _watch_parent(parent: int) -> None:
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="accel_ctx-parent-watch", daemon=True).start()
+
+
 def run(argv: Sequence[str], groups: int, environ: Mapping[str, str],
-        fail: Callable[[str, AccelCtxError], int]) -> int:
-    """Start the lighthouse and ``groups`` launchers of ``argv`` (without the flag); wait."""
+        fail: Callable[[str, AccelCtxError], int], bind: object = None) -> int:
+    """Start the lighthouse (at ``bind``, an address of this machine; default loopback) and
+    ``groups`` launchers of ``argv`` (without the flag); wait."""
     try:
-        return _run(argv, groups, environ)
+        return _run(argv, groups, environ, LOOPBACK if bind is None else f"{bracketed(str(bind))}:0")
     except AccelCtxError as exc:  # torchft missing: one line, exit code 1
         return fail("launch", exc)
 
 
-def _run(argv: Sequence[str], groups: int, environ: Mapping[str, str]) -> int:
+def _run(argv: Sequence[str], groups: int, environ: Mapping[str, str], bind: str) -> int:
     # torchft's Rust side logs every quorum at INFO; its warnings and errors stay
     os.environ.setdefault("RUST_LOG", "warn")
-    lighthouse = start_lighthouse()
-    address = lighthouse.address()
+    try:
+        lighthouse = start_lighthouse(bind)
+    except RuntimeError as exc:  # an address that is not this machine's
+        raise ConfigurationError(
+            f"cannot start the lighthouse at {bind} ({exc}): give lighthouse_bind an address of "
+            "this machine (127.0.0.1, the default, for groups on one machine).") from exc
+    host = bind.rsplit(":", 1)[0]
+    # the groups dial loopback when it listens on every interface: they run on this machine
+    dial = "127.0.0.1" if host in _WILDCARDS else host
+    address = f"http://{dial}:{lighthouse.address().rsplit(':', 1)[1]}"
     print(f"accel-ctx launch: {groups} replica groups, lighthouse at {address}", file=sys.stderr)
     # each group's launcher gets the same command line: the group index in its environment
     # makes it one group's launcher (see wanted), whatever --replica-groups says
     rest = list(argv)
     children: list[subprocess.Popen[bytes]] = []
+    stopping: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        _signal_all(children, signum)
+
+    previous = {s: signal.signal(s, on_signal) for s in _STOPPING}
     try:
         for group in range(groups):
-            env = {**environ, "RUST_LOG": os.environ["RUST_LOG"], _env.LIGHTHOUSE_VAR: address, _env.REPLICA_GROUP_VAR: str(group),
-                   _env.REPLICA_GROUPS_VAR: str(groups)}
+            if stopping:
+                break
+            env = {**environ, "RUST_LOG": os.environ["RUST_LOG"], _env.LIGHTHOUSE_VAR: address,
+                   _env.REPLICA_GROUP_VAR: str(group), _env.REPLICA_GROUPS_VAR: str(groups),
+                   PARENT_VAR: str(os.getpid())}
+            # a session of its own: a terminal's Ctrl-C reaches this launcher alone, which
+            # passes it on once (twice, torchrun's agent would stop its shutdown half-way)
             children.append(subprocess.Popen(
-                [sys.executable, "-m", "accel_ctx.cli", "launch", *rest], env=env))
-        return _wait(children)
-    except KeyboardInterrupt:
-        _stop(children, signal.SIGINT)
-        return 128 + signal.SIGINT
+                [sys.executable, "-m", "accel_ctx.cli", "launch", *rest], env=env,
+                start_new_session=True))
+        codes = _wait(children, stopping)
     finally:
-        _stop(children, signal.SIGTERM)
+        _stop(children)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
         lighthouse.shutdown()
-
-
-def _wait(children: list[subprocess.Popen[bytes]]) -> int:
-    forwarded: list[int] = []
-
-    def forward(signum: int, _frame: object) -> None:
-        forwarded.append(signum)
-        _stop(children, signum)
-
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        codes: dict[int, int] = {}
-        while len(codes) < len(children):
-            for group, child in enumerate(children):
-                code = child.poll()
-                if code is not None and group not in codes:
-                    codes[group] = code
-                    if code:
-                        print(f"accel-ctx launch: replica group {group} ended with exit code "
-                              f"{code}; the other groups go on.", file=sys.stderr)
-            time.sleep(0.2)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if forwarded:
-        return 128 + forwarded[0]
-    failed = [c for _, c in sorted(codes.items()) if c]
+    if stopping:
+        how = ("interrupted (Ctrl-C)" if stopping[0] == signal.SIGINT
+               else f"stopped by {signal.Signals(stopping[0]).name}")
+        print(f"accel-ctx launch: {how}; every replica group was stopped.", file=sys.stderr)
+        return 128 + stopping[0]
+    failed = [128 - c if c < 0 else c for c in codes if c]  # -9: killed by SIGKILL, 137
     return failed[0] if failed else 0
 
 
-def _stop(children: list[subprocess.Popen[bytes]], signum: int) -> None:
+def _wait(children: list[subprocess.Popen[bytes]], stopping: list[int]) -> list[int]:
+    """Each group's exit code, once every group has ended; after a signal, a group that has not
+    ended within ``_GRACE_S`` is killed with its workers."""
+    codes: dict[int, int] = {}
+    stopped_at: float | None = None
+    while len(codes) < len(children):
+        if stopping and stopped_at is None:
+            stopped_at = time.monotonic()
+            _signal_all(children, stopping[0])  # one started as the signal came is told too
+        if stopped_at is not None and time.monotonic() - stopped_at > _GRACE_S:
+            break
+        for group, child in enumerate(children):
+            code = child.poll()
+            if code is not None and group not in codes:
+                codes[group] = code
+                if code and not stopping:
+                    print(f"accel-ctx launch: replica group {group} ended with exit code "
+                          f"{code}; the other groups go on.", file=sys.stderr)
+        time.sleep(0.2)
+    return [codes.get(group, 1) for group in range(len(children))]
+
+
+def _signal_all(children: list[subprocess.Popen[bytes]], signum: int) -> None:
     for child in children:
         if child.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # ended meanwhile
                 os.kill(child.pid, signum)
+
+
+def _stop(children: list[subprocess.Popen[bytes]]) -> None:
+    """Every group's launcher and worker is gone on return: SIGTERM, ``_GRACE_S`` to end (the
+    agent stops its workers), then SIGKILL to it and everything it started."""
+    _signal_all(children, signal.SIGTERM)
+    deadline = time.monotonic() + _GRACE_S
     for child in children:
         try:
-            child.wait(timeout=30)
+            child.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            child.kill()
+            for pid in [*_descendants(child.pid), child.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            child.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: read from /proc; elsewhere none)."""
+    found, todo = [], [pid]
+    while todo:
+        below = children_of(todo.pop())
+        found += below
+        todo += below
+    return found

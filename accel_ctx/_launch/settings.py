@@ -16,6 +16,7 @@ Examples:
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -124,6 +125,17 @@ def _lighthouse(value: object) -> Value | None:
     return bare if split_host_port(bare) is not None else None
 
 
+def _bind(value: object) -> Value | None:
+    """An IP address of this machine to listen on (IPv6 with or without brackets), as written."""
+    if not isinstance(value, str):
+        return None
+    try:
+        ipaddress.ip_address(value.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return None
+    return value
+
+
 def _policy(value: object) -> Value | None:
     return canonical(value) if isinstance(value, str) else None
 
@@ -209,6 +221,17 @@ SETTINGS: tuple[Setting, ...] = (
         question="Address of the replica groups' lighthouse: HOST:PORT",
         convert=_lighthouse, fix="give HOST:PORT, e.g. node0:29510 or http://node0:29510",
         example="node0:29510", asked=False,
+    ),
+    Setting(
+        "lighthouse_bind", ("--lighthouse-bind",), "ADDR",
+        meaning="the address the replica groups' lighthouse listens on",
+        help="the address the lighthouse of --replica-groups R listens on: 127.0.0.1 (the "
+        "default: its groups run on this machine), or another address of this machine, e.g. "
+        "0.0.0.0 to reach its status page from elsewhere. Also the default of `accel-ctx "
+        "lighthouse --bind` (there [::], every interface: groups on several machines).",
+        question="Address the replica groups' lighthouse listens on",
+        convert=_bind, fix="give an IP address of this machine, e.g. 127.0.0.1, 0.0.0.0 or [::]",
+        example="0.0.0.0", asked=False,
     ),
     Setting(
         "replica_group", ("--replica-group",), "I",

@@ -25,7 +25,7 @@ def forward_sigusr1() -> Iterator[None]:
         return
 
     def forward(signum: int, frame: Any) -> None:
-        for pid in _children(os.getpid()):
+        for pid in children_of(os.getpid()):
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGUSR1)
 
@@ -36,8 +36,14 @@ def forward_sigusr1() -> Iterator[None]:
         signal.signal(signal.SIGUSR1, previous)
 
 
-def _children(parent: int) -> list[int]:
-    """The processes whose parent is ``parent`` (Linux: read from /proc)."""
+def children_of(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (Linux: read from /proc; elsewhere none).
+
+    Examples:
+        >>> from accel_ctx._launch.signals import children_of
+        >>> children_of(-1)
+        []
+    """
     found = []
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 import threading
@@ -95,16 +96,18 @@ def test_an_unreachable_lighthouse_is_named_with_the_fix_and_a_late_one_is_waite
     assert f"lighthouse at http://127.0.0.1:{port} within 1 s" in why
     assert "accel-ctx lighthouse" in why and "--lighthouse" in why
     assert replica_groups.unreachable({}) == ""  # no --lighthouse: nothing to reach
-    late = socket.socket()
-    late.bind(("127.0.0.1", 0))
-    timer = threading.Timer(2.0, late.listen)  # it starts listening after the group launcher
+    torchft = pytest.importorskip("torchft.coordination")
+    port = _closed_port()
+    late = []  # it starts after the group launcher (a real lighthouse: only that one passes)
+    timer = threading.Timer(2.0, lambda: late.append(
+        torchft.LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)))
     timer.start()
     try:
-        assert replica_groups.unreachable(
-            {"lighthouse": f"127.0.0.1:{late.getsockname()[1]}"}, seconds=60) == ""
+        assert replica_groups.unreachable({"lighthouse": f"127.0.0.1:{port}"}, seconds=60) == ""
     finally:
         timer.join()
-        late.close()
+        for server in late:
+            server.shutdown()
 
 
 def test_the_replica_timeout_comes_from_the_environment_and_a_bad_one_is_named(
@@ -141,3 +144,107 @@ def test_lighthouse_refuses_a_taken_port_bad_numbers_and_a_missing_torchft(capsy
     assert main(["lighthouse", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("accel-ctx lighthouse: ") and "pip install 'accel-ctx[ft]'" in err
+
+
+# --- issue 53: limits, the lighthouse's address, something else at --lighthouse -------------
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--replica-groups", "1000"], "--replica-groups 1000 starts 1000 group launchers on this "
+     "machine"),
+    (["--replica-groups", "16", "-n", "8"], "--replica-groups 16 with -n 8 (16 groups of 8) "
+     "asks for 128 processes on this machine"),
+    (["--replica-groups", "16", "--nproc-per-node", "8"], "asks for 128 processes"),
+])
+def test_replica_groups_on_one_machine_have_the_limits_of_n_alone(argv, words, capsys,
+                                                                    monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    monkeypatch.delenv("ACCEL_CTX_MAX_NPROC", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 2)  # the limits: 16 groups, 64 processes
+    with pytest.raises(ConfigurationError, match=re.escape(words)):  # planned: nothing started
+        make([*argv, "t.py"], {**NO_FILES})
+    assert main(["launch", *argv, __file__]) == 2  # refused before anything starts
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("accel-ctx launch: ") and words in err, err
+    assert "at most" in err and "ACCEL_CTX_MAX_NPROC=" in err and "--lighthouse" in err, err
+    with pytest.raises(ConfigurationError, match="asks for 128 processes"):
+        make(["-n", "128", "t.py"])  # the limit they share with -n alone
+    # under the limit, set higher, or one group of a job on several machines: no refusal
+    make(["--replica-groups", "8", "-n", "8", "t.py"])
+    make(["--replica-groups", "16", "-n", "8", "t.py"], {**NO_FILES, "ACCEL_CTX_MAX_NPROC": "128"})
+    make(["--lighthouse", "h:1", "--replica-group", "0", "--replica-groups", "1000", "-n", "8",
+          "t.py"])
+
+
+def test_the_lighthouse_bind_address_is_a_setting_of_the_files_and_a_flag(
+        tmp_path, capsys, monkeypatch):
+    from accel_ctx._launch.lighthouse import lighthouse_main
+
+    monkeypatch.setenv("RUST_LOG", "warn")  # what the command sets for the Rust server
+
+    _config.write(tmp_path / "job.toml", {"lighthouse_bind": "0.0.0.0"})
+    p = make(["--config", str(tmp_path / "job.toml"), "--replica-groups", "2", "t.py"])
+    assert p.settings["lighthouse_bind"] == "0.0.0.0"
+    assert make(["--lighthouse-bind", "[::]", "t.py"]).settings["lighthouse_bind"] == "[::]"
+    with pytest.raises(ConfigurationError, match="give an IP address of this machine"):
+        make(["--lighthouse-bind", "node0", "t.py"])
+    # `accel-ctx lighthouse` reads it from the files when --bind is not given
+    project = tmp_path / "project"
+    (project / ".git").mkdir(parents=True)
+    _config.write(project / "accel-ctx.toml", {"lighthouse_bind": "10.255.255.1"})
+    monkeypatch.chdir(project)
+    pytest.importorskip("torchft")
+    assert lighthouse_main(["--port", "0"]) == 2  # not this machine's address: named
+    assert "cannot listen on 10.255.255.1:0" in capsys.readouterr().err
+
+
+def _serve_once(answer: bytes | None) -> tuple[socket.socket, threading.Thread]:
+    """A server on loopback that is no lighthouse: it answers ``answer`` to what it reads, or
+    closes the connection at once (None)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                if answer is not None:
+                    conn.recv(4096)
+                    conn.sendall(answer)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_something_else_at_lighthouse_is_named_within_seconds_and_nothing_starts(
+        capsys, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    http = b"HTTP/1.0 404 Not Found\r\nContent-Length: 0\r\n\r\n"
+    for answer, words in ((http, "it answered 'HTTP/1.0 404 Not Found'"),
+                          (None, "it closed the connection without an answer")):
+        server, thread = _serve_once(answer)
+        port = server.getsockname()[1]
+        try:
+            start = time.monotonic()
+            assert main(["launch", "--lighthouse", f"127.0.0.1:{port}", "--replica-group", "0",
+                         str(__import__("pathlib").Path(__file__))]) == 1
+            assert time.monotonic() - start < 30  # not the 30 s replica timeout, and no worker
+        finally:
+            server.close()
+            thread.join(5)
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert (f"accel-ctx launch: something answers at http://127.0.0.1:{port}, but it is not "
+                f"a torchft lighthouse ({words}): another program holds that port") in err, err
+    # torchft's own lighthouse passes
+    torchft = pytest.importorskip("torchft.coordination")
+    real = torchft.LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    try:
+        port = int(real.address().rsplit(":", 1)[1])
+        assert replica_groups.unreachable({"lighthouse": f"127.0.0.1:{port}"}, seconds=5) == ""
+    finally:
+        real.shutdown()
