@@ -22,19 +22,20 @@ TRAIN = str(_launcher.SCRIPTS / "replica_groups_train.py")
 
 
 @pytest.fixture(autouse=True)
-def _stop_launchers():
-    """Whatever a test left running (it failed early) is stopped with its workers."""
+def _stop_launchers(tmp_path: Path):
+    """Whatever a test left running (it failed early) is stopped with its workers, and what
+    outlived its launcher (each has the test's tmp_path in its command line)."""
     yield
     _launcher.stop_all()
-    for pid in _of_the_job(_marker):  # the test's own: what outlived its launcher, if any
+    for pid in _of_the_job(str(tmp_path)):
         os.kill(pid, signal.SIGKILL)
 
 
-_marker = "\0"  # the running test's tmp_path, which each of its processes has in its command
-
-
 def _of_the_job(marker: str) -> list[int]:
-    """The live processes with ``marker`` in their command line (launchers, workers)."""
+    """The live processes with ``marker`` (a test's tmp_path: long and unique) as an argument
+    of their command line (launchers, workers)."""
+    if len(marker) < 8 or "\0" in marker:  # never a pattern every command line has
+        raise ValueError(f"not a unique marker: {marker!r}")
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -43,7 +44,8 @@ def _of_the_job(marker: str) -> list[int]:
             command = Path(f"/proc/{entry.name}/cmdline").read_bytes().decode(errors="replace")
         except OSError:
             continue
-        if marker in command and _launcher.alive(int(entry.name)):
+        if any(marker in arg for arg in command.split("\0")) and _launcher.alive(
+                int(entry.name)):
             found.append(int(entry.name))
     return found
 
@@ -84,8 +86,6 @@ def _listening(port: int) -> list[str]:
 
 
 def _all_in_one(tmp_path: Path) -> tuple:
-    global _marker
-    _marker = str(tmp_path)
     # a real interpreter for the launcher: its group launchers and their workers are its
     # descendants, each with tmp_path in its command line
     proc, log = _launcher.start(["-n", "1", "--replica-groups", "2", "--max-restarts", "3", LOOP,
