@@ -99,14 +99,16 @@ def _all_in_one(tmp_path: Path) -> tuple:
 def test_a_killed_all_in_one_launcher_leaves_nothing_and_its_lighthouse_was_on_loopback(
         tmp_path: Path) -> None:
     proc, log = _all_in_one(tmp_path)
-    port = int(re.search(r"lighthouse at http://127\.0\.0\.1:(\d+)", log.read_text())[1])
-    # loopback only: 127.0.0.1 (0100007F), not every interface (00000000, or [::] in tcp6)
-    assert _listening(port) == ["0100007F"], (_listening(port), log.read_text())
+    host, port = re.search(r"lighthouse at http://(\S+):(\d+)", log.read_text()).groups()
+    listening = _listening(int(port))
     proc.send_signal(signal.SIGKILL)  # the launcher alone, as the OOM killer would
     proc.wait()
     # its group launchers were told (SIGTERM, by the kernel) and stopped their workers
     _wait_for("end of every launcher and worker", lambda: not _of_the_job(str(tmp_path)), 20,
               [log])
+    # the lighthouse listened on loopback only: 127.0.0.1 (0100007F in /proc/net/tcp), not on
+    # every interface (00000000, or :: in tcp6), and its groups dialled that address
+    assert (host, listening) == ("127.0.0.1", ["0100007F"]), log.read_text()
 
 
 def test_sigterm_to_the_all_in_one_launcher_ends_every_group_cleanly(tmp_path: Path) -> None:
