@@ -51,6 +51,10 @@ class PeerState:
         """The trainable models met so far, in order."""
         return [m for m in (ref() for ref in self._met["models"]) if m is not None]
 
+    def loaders(self) -> list[DataLoader[Any]]:
+        """The DataLoaders met so far, in order."""
+        return [x for x in (ref() for ref in self._loaders) if x is not None]
+
     def met(self, kind: str, obj: Any) -> None:
         """``obj`` (a model, an optimizer, a scheduler) is met: a state waiting for it loads."""
         self._stack = _state.current() or self._stack

@@ -13,14 +13,23 @@ The quorum of a step is formed before its first batch is fetched (so a healing g
 DataLoader continues at its peers' position), or at its first forward where no DataLoader
 drives the loop. The first quorum waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every
 group, so that an undisturbed job trains every step with all of them.
+
+At the first step of every quorum the lighthouse numbers anew (its quorum id, which every
+member reads alike), the groups compare their scripts, models, sizes and data
+(``replica_check``) before any gradient is averaged. A group whose quorum id jumped was left out
+meanwhile (frozen, paused, too slow) and says so; a group whose loop ends while the others go on
+says so as its scope closes (one more quorum, its row marked finished), so that they do not
+report it as a failure.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import time
+from collections import Counter
 from contextlib import ExitStack
 from typing import Any, Protocol
 
@@ -65,22 +74,67 @@ class Healing(Protocol):
 
     def folder(self) -> str | None: ...
     def models(self) -> list[nn.Module]: ...
+    def loaders(self) -> list[Any]: ...
     def met(self, kind: str, obj: Any) -> None: ...
     def met_loader(self, loader: Any, record: Any) -> None: ...
     def state(self, group: int) -> dict[str, Any]: ...
     def load(self, sent: dict[str, Any]) -> None: ...
 
 
-class _RecordingClient:
-    """torchft's manager client, keeping the last quorum (which groups are in it)."""
+_CLASH_GRACE = 5.0  # seconds: more than the lighthouse's heartbeat timeout (2 s)
 
-    def __init__(self, client: Any) -> None:
+
+class _Clash(Exception):
+    """A quorum this group must not train in (raised in torchft's quorum thread, before the
+    quorum configures a process group or heals anyone): two members with this group's index,
+    or groups of other sizes. ``newcomer``: this group is the one that stops (the others wait
+    for it to be gone); ``error``: what it says."""
+
+    def __init__(self, newcomer: bool, error: str | None = None, told: str | None = None,
+                 quiet: bool = False, odd: int = -1) -> None:
+        super().__init__("a quorum this replica group must not train in")
+        self.newcomer, self.error, self.told, self.quiet = newcomer, error, told, quiet
+        self.odd = odd  # the group refused
+
+
+class _RecordingClient:
+    """torchft's manager client, keeping the last quorum (which groups are in it), and refusing
+    a quorum that holds another member with this group's index (another job at the same
+    lighthouse, or a group started with the same --replica-group)."""
+
+    def __init__(self, client: Any, own: str) -> None:
         self._client = client
         self.last: Any = None
+        self.own = own  # this group's torchft replica id ("accel_ctx_n<size>_<group>:<uuid>")
+        self.fresh = True  # no quorum yet: a clash at its first makes this group the newcomer
+        self.tied: float | None = None  # since when groups of two sizes are as many
 
     def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        self.last = self._client._quorum(*args, **kwargs)
-        return self.last
+        quorum = self._client._quorum(*args, **kwargs)
+        group = _group_of(self.own)
+        same = sorted(r for r in quorum.replica_ids if _group_of(r) == group)
+        if len(same) > 1:
+            # the one that joined last leaves; two that joined at once: all but the first id
+            raise _Clash(self.fresh and (quorum.heal or self.own != same[0]))
+        # groups of other sizes meet in no collective (a rank without a peer waits for it):
+        # the size the most groups have (the lowest group's among equals) stays
+        sizes = {_group_of(r): _size_of(r) for r in quorum.replica_ids if _size_of(r)}
+        if len(set(sizes.values())) > 1:
+            counts = Counter(sizes.values())
+            best = max(counts.values())
+            if list(counts.values()).count(best) > 1 and 0 not in sizes:
+                # as many of each, group 0 not there yet: wait a little for it to tip the scale
+                self.tied = self.tied or time.monotonic()
+                if time.monotonic() - self.tied < 2 * _CLASH_GRACE:
+                    raise _Clash(False, quiet=True)
+            keep = next(sizes[g] for g in sorted(sizes) if counts[sizes[g]] == best)
+            like = min(g for g in sizes if sizes[g] == keep)
+            odd = min(g for g in sizes if sizes[g] != keep)
+            error = _events.sizes(odd, sizes[odd], like, keep)
+            raise _Clash(sizes[group] != keep, error, error.split(":")[0], odd=odd)
+        self.fresh = False
+        self.last = quorum
+        return quorum
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
@@ -108,6 +162,12 @@ def mark_joined(rank: int, folder: str | None = None) -> None:
         pass
 
 
+def _size_of(replica_id: str) -> int:
+    """The number of processes of the group whose replica id this is (0: not said)."""
+    found = re.fullmatch(r"accel_ctx_n(\d+)_\d+", replica_id.split(":")[0])
+    return int(found[1]) if found else 0
+
+
 def _group_of(replica_id: str) -> int:
     digits = replica_id.split(":")[0].rsplit("_", 1)[-1]
     return int(digits) if digits.isdigit() else -1
@@ -126,16 +186,24 @@ class ReplicaGroupRuntime(Concern):
         self.address = str(launch.lighthouse)
         self.healing = healing
         self._speaks = job.rank == 0  # one line per event and group
+        self._world = job.world_size  # every group must have as many processes
         self._open = False  # a quorum was formed for the step under way
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
         self._members: frozenset[int] = frozenset()
-        # the members whose script and model match, by torchft's replica id (not group index):
-        # a group restarted before the others saw it leave keeps its index but comes back as a
-        # new Manager (a new id), and every group must check it again (it checks; the others
-        # must meet its check, not send their gradients into it)
-        self._member_ids: frozenset[str] = frozenset()
-        self._checked_ids: frozenset[str] = frozenset()
+        # the groups check each other's script and model at the first step of each quorum, by
+        # the lighthouse's quorum id, which every member of a quorum reads alike: it changes
+        # when the members change (a group restarted before the others saw it leave comes back
+        # as a new Manager, a new id) and after a step that failed in any group. A group's own
+        # view of the members does not do: a group frozen past its heartbeat (SIGSTOP, swapped
+        # out) was dropped and is back, yet it never saw itself leave, and it would send its
+        # gradients into the check its peers run (a collective mismatch that aborts them)
+        self._quorum_id = -1
+        self._checked_quorum = -1
         self._failure: str | None = None  # why the last step was not committed
+        self._finished: set[int] = set()  # groups that said they finished (they did not fail)
+        self._refused: set[int] = set()  # groups refused at a quorum (not waited for)
+        self._left_at: dict[int, int] = {}  # the step each absent group left at
+        self._local = False  # local_sgd() met the groups: they meet only at its syncs
         self._gathering = False  # the first quorum waits for every group
         self.participants = 1  # this group alone until a quorum says otherwise
         self._timeout = timeout = _events.timeout()
@@ -151,7 +219,8 @@ class ReplicaGroupRuntime(Concern):
                     min_replica_size=1, use_async_quorum=False,  # heal before the batch
                     timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
                     rank=job.rank, world_size=job.world_size, lighthouse_addr=self.address,
-                    replica_id=f"accel_ctx_{self.group}")
+                    # the group's size in its id: every member of a quorum reads the others'
+                    replica_id=f"accel_ctx_n{job.world_size}_{self.group}")
             except Exception as exc:  # the lighthouse is not there
                 transport.shutdown(wait=False)
                 raise self._unreachable(exc) from exc
@@ -164,9 +233,11 @@ class ReplicaGroupRuntime(Concern):
             self.manager = manager if manager is not None else make()
         else:
             self.manager = make()
-        self._client = _RecordingClient(self.manager._client)
+        own = self.manager._store.get("replica_id").decode()  # torchft's REPLICA_ID_KEY
+        self._client = _RecordingClient(self.manager._client, own)
         self.manager._client = self._client
         exits.callback(self.manager.shutdown, wait=False)
+        exits.push(self._leave)  # before the shutdown: the others hear that it finished
         mark_joined(job.rank)
 
     def _unreachable(self, exc: BaseException) -> RendezvousError:
@@ -192,44 +263,104 @@ class ReplicaGroupRuntime(Concern):
         self._start()  # may heal this group from a peer (use_async_quorum off)
         if first:
             self._gathering = True  # the groups arriving at the start: no line for each
-            while (len(self._members) < self.groups and self.manager.current_step() == 0
+            while (len(self._members | self._refused) < self.groups
+                   and self.manager.current_step() == 0
                    and time.monotonic() - began < self._timeout.total_seconds()):
                 time.sleep(0.2)  # the others are still starting: a step with all of them
                 self._start()
             self._gathering = False
-            missing = sorted(set(range(self.groups)) - self._members)
+            missing = sorted(set(range(self.groups)) - self._members - self._refused)
             if missing and self.manager.current_step() == 0:
                 self._say(_events.missing(missing, len(self._members), self.address))
         step = int(self.manager.current_step())
         if step > before and self.healing.source >= 0:
-            self._say(_events.healed(self.group, self.healing.source, step,
+            self._say(_events.healed(self.group, self.healing.source, self._step(),
                                      time.monotonic() - began))
             self.healing.source = -1
 
     def _start(self) -> None:
-        previous = self._members
-        try:
-            self.manager.start_quorum()
-        except Exception as exc:
-            raise self._unreachable(exc) from exc
+        previous, last_id, last_step = self._members, self._quorum_id, self._step()
+        began, told = time.monotonic(), False
+        while True:
+            try:
+                self.manager.start_quorum()
+                break
+            except _Clash as clash:
+                self.manager._quorum_future = None  # failed: the next start must not wait on it
+                waited = time.monotonic() - began
+                # a member with this index that died asking for a quorum is gone once its
+                # heartbeat lapses: only one that is still there after that is another group
+                if clash.newcomer and clash.error is not None:
+                    raise ConfigurationError(clash.error) from None
+                if waited > (_CLASH_GRACE if clash.newcomer else self._timeout.total_seconds()):
+                    raise ConfigurationError(_events.clash(self.group, self.address)) from None
+                if not clash.newcomer and not told and not clash.quiet:  # the newcomer stops
+                    self._say(_events.refused(clash.told) if clash.told is not None
+                              else _events.clashed(self.group, self._step()))
+                    told = True
+                    self._refused.add(clash.odd)
+                time.sleep(0.5)
+            except Exception as exc:
+                raise self._unreachable(exc) from exc
         quorum = self._client.last
         self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
-        self._member_ids = frozenset(quorum.replica_ids) if quorum else frozenset()
-        self._checked_ids &= self._member_ids  # one that left and comes back is checked again
+        self._quorum_id = int(quorum.quorum_id) if quorum else -1
         self.participants = len(self._members)  # the groups in the step under way
         if not previous or self._gathering:
             return
-        step = int(self.manager.current_step())
+        step = self._step()
+        if last_id >= 0 and self._quorum_id > last_id + 1:
+            # quorums formed without this group (every member of one reads its id): it was
+            # dropped, frozen or too slow, and is back; what the others did meanwhile it did not
+            # see, and they say it (the departures and returns it missed are not its to tell)
+            self._say(_events.dropped(self.group, last_step, step, len(self._members)))
+            self._failure = None
+            return
         left, joined = sorted(previous - self._members), sorted(self._members - previous)
         if self.group != min(self._members & previous, default=self.group):
             left = joined = []  # the lowest group that stayed says it, once
-        if left:
+        for group in left:
+            self._left_at.setdefault(group, step)
+        failed = [g for g in left if g not in self._finished]  # the finished ones said so
+        if failed:
             why = self._failure or "it stopped answering the lighthouse"
-            self._say(_events.left(left, step, why, len(self._members)))
+            self._say(_events.left(failed, step, why, len(self._members)))
         if joined:
-            self._say(_events.joined(joined, step, len(self._members)))
+            away = [step - self._left_at.pop(g) for g in joined if g in self._left_at]
+            self._say(_events.joined(joined, step, len(self._members), max(away, default=0),
+                                     _check.samples_per_step(self.healing.loaders(),
+                                                             self._world)))
+        self._finished -= set(left)
         self._failure = None
+
+    def _step(self) -> int:
+        """The job's committed step: the session's under local_sgd() (where the Manager counts
+        synchronisations), else torchft's."""
+        stack = _state.current()
+        if self.steps_locally(stack) and stack is not None:
+            return stack.session.step
+        return int(self.manager.current_step())
+
+    def _leave(self, kind: Any, error: Any, trace: Any) -> bool:
+        """At the scope's end without an error: tell the groups in the last quorum that this one
+        finished (its row in one more check, that quorum's id made new so that every group
+        checks), so that they say so instead of reporting a failure. Never under local_sgd()
+        (its groups meet only at syncs), never after an error (the others see a failure)."""
+        if kind is not None or self._local or len(self._members) < 2:
+            return False
+        try:
+            if not self._open:
+                # a commit failure to report makes the lighthouse give the next quorum a new id
+                self.manager._commit_failures = max(1, int(self.manager._commit_failures))
+                self._open, self._gathering = True, True
+                self._start()
+                self._gathering = False
+            if len(self._members) > 1 and self._quorum_id != self._checked_quorum:
+                self._check_same(finished=True)
+        except Exception:  # the others are gone or going: they see it leave, as a group that stops
+            pass
+        return False
 
     def writes_checkpoints(self) -> bool:
         """Whether this group writes resumable()'s checkpoints: the lowest group in the quorum
@@ -247,6 +378,11 @@ class ReplicaGroupRuntime(Concern):
     @override
     def before_batch(self, session: Session) -> None:
         if torch.is_grad_enabled() and self._members:  # a training batch: the step's quorum
+            loaders = session.loaders
+            if loaders and loaders[-1].at_end:
+                # the epoch's end: no batch follows, and a loop that ends here must not have
+                # joined the others' next step (its next batch or forward forms the quorum)
+                return
             self._quorum()
 
     @override
@@ -292,6 +428,8 @@ class ReplicaGroupRuntime(Concern):
         commit = bool(self.manager.should_commit())
         self.participants = int(self.manager.num_participants())
         self._open = False  # the next training batch forms the next quorum
+        if not commit and self._failure == _events.FINISHED:
+            return commit  # said as the group's finish, not as a failure
         if not commit:
             error = self.manager.errored()
             if self._failure is None and error is not None:  # a mismatch found first stays
@@ -301,15 +439,27 @@ class ReplicaGroupRuntime(Concern):
                       f": {outcome}")
         return commit
 
-    def _check_same(self) -> None:
+    def _check_same(self, finished: bool = False) -> None:
         """One small all-reduce when the quorum changes: the groups run the same script and
-        models (else the gradient all-reduce would mix tensors of other shapes)."""
+        models (else the gradient all-reduce would mix tensors of other shapes); ``finished``:
+        this group's loop ended, and its row says so."""
         rows = _check.fingerprints(self.group, self.groups, self.healing.models(),
-                                   self.healing.folder(),
+                                   self.healing.folder(), self.healing.loaders(),
                                    lambda t: self.manager.allreduce(t).wait(),
-                                   self.manager.num_participants())
-        if self.manager.errored() is not None:
-            return  # a group left meanwhile: this step fails, the next quorum checks again
+                                   self.manager.num_participants(), finished)
+        if self.manager.errored() is not None or finished:
+            return  # a group left meanwhile: this step fails, the next quorum (a new id) checks
+        done = sorted(g for g, row in rows.items() if row[0] == _check.FINISHED)
+        if done:
+            # not a failure: the step under way is dropped in every group (the finished ones
+            # take no part in its all-reduce), and the next one is taken without them
+            staying = self._members - set(done)
+            self._finished |= set(done)
+            if self.group == min(staying, default=self.group):
+                self._say(_events.finished(done, self._step(), len(staying)))
+            self._failure = _events.FINISHED
+            self.manager.report_error(RuntimeError(_events.FINISHED))
+            return
         wrong = _check.differing(rows, self._members)
         if self.group in wrong:
             raise ConfigurationError(_check.message(self.group, rows, self._members))
@@ -317,7 +467,8 @@ class ReplicaGroupRuntime(Concern):
             # not mixed with a gradient of another shape: this step is dropped in every group
             self._failure = _check.message(wrong[0], rows, self._members).split(":")[0]
             self.manager.report_error(ConfigurationError(self._failure))
-        self._checked_ids = frozenset(r for r in self._member_ids if _group_of(r) not in wrong)
+            return  # the step fails in this group: the next quorum has a new id, checked again
+        self._checked_quorum = self._quorum_id
 
     # ---- state() ---------------------------------------------------------------------------------
     @override
@@ -341,6 +492,7 @@ class ReplicaGroupRuntime(Concern):
         """``local_sgd()``'s sync: ``tensors`` averaged in place over the groups in the quorum
         (formed at the period's first batch, or here), then the commit vote. False: a group
         failed in it, ``tensors`` hold nothing meaningful (the caller keeps its own values)."""
+        self._local = True
         return self._average_and_vote(tensors, "local_sgd()'s synchronisation", "every group "
                                       "keeps its own weights, and the next period goes on.")
 
@@ -348,7 +500,7 @@ class ReplicaGroupRuntime(Concern):
         """The quorum (if none is open), the groups' check when it changed, ``tensors``
         averaged over the groups in it (one all-reduce per device and dtype), the vote."""
         self._quorum()
-        if not self._member_ids <= self._checked_ids:
+        if self._quorum_id != self._checked_quorum or self._quorum_id < 0:
             self._check_same()
         reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
         return self._vote(what, outcome)

@@ -37,11 +37,13 @@ def _lighthouse(tmp_path: Path, *args: str) -> tuple[subprocess.Popen[bytes], Pa
 
 
 def _group(tmp_path: Path, address: str, group: int, script: Path, width: int = 16,
-           groups: int = 2, extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], Path]:
+           groups: int = 2, extra: tuple[str, ...] = (), more: tuple[str, ...] = (),
+           steps: int = STEPS, log: str = "", out: Path | None = None
+           ) -> tuple[subprocess.Popen[bytes], Path]:
     return _launcher.start(["-n", "1", *extra, "--lighthouse", address, "--replica-groups",
                             str(groups), "--replica-group", str(group), str(script),
-                            str(tmp_path), str(STEPS), str(width)], tmp_path, f"group{group}.log",
-                           fork_replica_workers=True)
+                            str(out or tmp_path), str(steps), str(width), *more], tmp_path,
+                           log or f"group{group}.log", fork_replica_workers=True)
 
 
 def _stop_lighthouse(proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -140,8 +142,82 @@ def test_a_quorum_the_lighthouse_never_forms_ends_the_group_naming_min_replicas(
         f"accel_ctx.errors.RendezvousError: replica group 0 reached the lighthouse at "
         f"http://{address}, but no quorum formed there within {wait} s: the lighthouse waits "
         "until its --min-replicas groups ask for one, and fewer did. Start the missing groups (this "
-        "job has 2), or run `accel-ctx lighthouse` with a smaller --min-replicas."), text[-3000:]
+        "job has 2), or run `accel-ctx lighthouse` with a smaller --min-replicas. If nothing else "
+        "should be missing, what answers at that address may not be a torchft lighthouse "
+        "(another server on that port): check --lighthouse against the address `accel-ctx "
+        "lighthouse` printed."), text[-3000:]
     assert "cannot reach" not in text, text[-3000:]
     assert text.rstrip().splitlines()[-1].startswith("accel-ctx launch: rank 0"), text[-3000:]
     assert not (tmp_path / "group0.pt").exists()
+    _stop_lighthouse(lighthouse, lighthouse_log)
+
+
+def test_groups_of_other_sizes_or_other_data_are_named_and_the_first_trains_on(
+        tmp_path: Path) -> None:
+    # Group 1 runs 2 processes where group 0 runs 1 (the multi-machine form with another -n):
+    # one group said "start the missing groups", the other retried step 1 until killed. Group
+    # 2 reads 40 samples where the others read 64: it trained to the end without a word. Each
+    # now stops at its first step naming the difference; group 0 trains on.
+    lighthouse, lighthouse_log, address = _lighthouse(tmp_path)
+    first, first_log = _group(tmp_path, address, 0, SCRIPT, groups=3)
+    wide, wide_log = _group(tmp_path, address, 1, SCRIPT, groups=3,
+                            extra=("--max-restarts", "0", "-n", "2"))
+    short, short_log = _group(tmp_path, address, 2, SCRIPT, groups=3,
+                              extra=("--max-restarts", "0"), more=("40",))
+    began = time.monotonic()
+    codes = [_launcher.finish(wide, 300), _launcher.finish(short, 300)]
+    took = time.monotonic() - began
+    codes.append(_launcher.finish(first, 300))
+    logs = [first_log.read_text(), wide_log.read_text(), short_log.read_text()]
+    text = "\n".join(f"--- group {g}\n{t[-3000:]}" for g, t in enumerate(logs))
+    assert codes == [1, 1, 0], text
+    assert took < _timeouts.scaled(60), text  # within the first quorum's 30 s and a step
+    errors = [[line.removeprefix("[rank0]: ") for line in t.splitlines()
+               if line.removeprefix("[rank0]: ").startswith("accel_ctx.errors.")] for t in logs]
+    assert errors[1][:1] == [
+        "accel_ctx.errors.ConfigurationError: replica group 1 has 2 processes and replica group "
+        "0 has 1: the groups average each rank's gradients with the same rank of the others, so "
+        "every group needs as many. Start every group's launcher with the same -n (and "
+        "--nnodes)."], text
+    assert errors[2] == [
+        "accel_ctx.errors.ConfigurationError: replica group 2 reads another data set than "
+        "replica group 0 (its first DataLoader: 40 samples in batches of 4, against 64 in "
+        "batches of 4): each group trains its share of one data set. Start every replica group "
+        "with the same data and arguments."], text
+    assert "Traceback" not in logs[0] and "did not reach" not in logs[0], text
+    assert ("accel-ctx: replica group 1 has 2 processes and replica group 0 has 1: it is refused "
+            "and stops; this job trains on without it.") in logs[0], text
+    _trained_alone_to_the_end(tmp_path, text)
+    _stop_lighthouse(lighthouse, lighthouse_log)
+
+
+def test_two_jobs_at_one_lighthouse_as_the_same_group_are_told_and_one_trains_on(
+        tmp_path: Path) -> None:
+    # Two one-group jobs, each replica group 0, at one lighthouse: one lost a step amid C++
+    # stack traces, the clash never named. Now the group that joined second (or, joining at
+    # once, one of them) stops naming the clash and the fix; the other trains to the end.
+    lighthouse, lighthouse_log, address = _lighthouse(tmp_path)
+    jobs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        jobs.append(_group(tmp_path, address, 0, SCRIPT, groups=1, steps=40,
+                           extra=("--max-restarts", "0"), log=f"{name}.log",
+                           out=tmp_path / name))
+    codes = [_launcher.finish(proc, 300) for proc, _ in jobs]
+    logs = [log.read_text() for _, log in jobs]
+    text = "\n".join(f"--- job {n}\n{t[-3000:]}" for n, t in zip("ab", logs, strict=True))
+    assert sorted(codes) == [0, 1], text
+    loser = codes.index(1)
+    errors = [line for line in logs[loser].splitlines() if "Error: " in line]
+    assert errors == [
+        f"accel_ctx.errors.ConfigurationError: replica group 0 found another replica group 0 at "
+        f"the lighthouse at http://{address}: two jobs share that lighthouse, or two groups of "
+        "one job were started with the same --replica-group. Give each job its own lighthouse "
+        "(`accel-ctx lighthouse` per job, or `accel-ctx launch --replica-groups R`, which starts "
+        "one), and each group of a job its own --replica-group, 0 to R-1."], text
+    for t in logs:
+        assert "terminate called" not in t and "EnforceNotMet" not in t, text
+    winner = torch.load(tmp_path / "ab"[1 - loser] / "group0.pt")
+    assert winner["seen"][-1][0] == 40, text
+    assert not (tmp_path / "ab"[loser] / "group0.pt").exists()
     _stop_lighthouse(lighthouse, lighthouse_log)

@@ -1,7 +1,8 @@
 """A plain distributed() loop for replica groups started one by one, bounded by the job's
 committed steps, with dropout and a shuffled DataLoader. Arguments: output folder, steps, and the
 hidden layer's width (a group given another width trains another model). Each step records the
-committed step and how many groups took it; at the end the weights are saved."""
+committed step and how many groups took it; at the end the weights are saved. An optional fourth
+argument: the data set's length (64; a group given another reads another data set)."""
 
 import os
 import sys
@@ -14,8 +15,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from accel_ctx import distributed, state
 
 out, steps, width = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+samples = int(sys.argv[4]) if len(sys.argv) > 4 else 64
 torch.manual_seed(0)
-data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+data = TensorDataset(torch.randn(samples, 8), torch.randn(samples, 1))
 
 with distributed():
     model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.Dropout(0.1),
