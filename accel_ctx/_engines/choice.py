@@ -21,7 +21,6 @@ from typing_extensions import override
 from .._job.job import Job
 from .._job.tp_plan import TensorPlan
 from .._kernel.session import Session
-from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import replicate as _replicate
@@ -117,13 +116,7 @@ class TensorParallel(_Splits):
 def choose(plan: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
            replica_groups: bool = False) -> EngineChoice:
     """The engine for a scope entry's models: the one place that looks at the kinds."""
-    if replica_groups:
-        if tensor is not None:
-            raise ConfigurationError(
-                "replica groups (accel-ctx launch --replica-groups) run distributed() (DDP "
-                "inside each group) and sharded() (FSDP2 inside each group, torchft's HSDP "
-                "across them); tensor parallelism across replica groups is not supported yet. "
-                "Drop tp=, or launch without --replica-groups.")
+    if replica_groups and tensor is None:  # tp= inside a group: torchft's HSDP, as below
         return ReplicaGroups() if plan is None else Sharded(plan)
     if tensor is not None:
         return TensorParallel(tensor, plan)
