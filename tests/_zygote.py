@@ -89,7 +89,8 @@ for s in {relayed!r}:
     signal.signal(s, relay)
 last = reader.readline().split()
 if len(last) == 2 and last[0] == "signal":
-    signal.signal(int(last[1]), signal.SIG_DFL)
+    if int(last[1]) != signal.SIGKILL:  # SIGKILL has no handler to reset (EINVAL)
+        signal.signal(int(last[1]), signal.SIG_DFL)
     os.kill(os.getpid(), int(last[1]))
     os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(int(last[1]) if len(last) == 2 and last[0] == "exit" else 1)
@@ -277,7 +278,8 @@ def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
         traceback.print_exc()
     finally:
         if code < 0:
-            signal.signal(-code, signal.SIG_DFL)
+            if -code != signal.SIGKILL:  # SIGKILL has no handler to reset (EINVAL)
+                signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code)
 
