@@ -46,6 +46,9 @@ def test_a_killed_group_restarts_heals_everything_from_a_peer_and_the_others_nev
         assert 2 in after_kill and after_kill[-1] == 3  # went on without it, then with it again
     first = healed["seen"][0]["step"]
     assert first > 5, text[-3000:]  # it began where its peers were, not at 0
+    # state() is the job's from the first quorum on (docs/fault-tolerance.md, "When state()
+    # becomes the job's"): at the scope's entry the restarted group still read 0
+    assert healed["entry"] == 0 and [r["entry"] for r in (runs[0], runs[2])] == [0, 0]
     # from its first step on, the healed group trains in step with its peers: the same lr
     # (scheduler), the same random stream, the same loader position, other samples
     mine = _last_per_step(healed["seen"])

@@ -4,7 +4,8 @@ Arguments: output folder, steps, groups, then the group whose first worker SIGKI
 the step given last (-1: none), and "sharded" to train under sharded() or "accumulate-bf16" under
 accumulate(2) and mixed_precision("bf16"); it steps on until every group is back (or for at most 4
 minutes). Each step records what must be equal in every group: the step, the groups in it, the
-lr, a draw from torch's generator and the loader's position, and the samples it trained on."""
+lr, a draw from torch's generator and the loader's position, and the samples it trained on; at
+the end, the step state() read at the scope's entry."""
 
 import os
 import signal
@@ -38,6 +39,7 @@ torch.manual_seed(0)
 data = TensorDataset(torch.arange(96), torch.randn(96, 8), torch.randn(96, 1))
 
 with scopes():
+    entry = state().step  # a restarted group reads 0 here: it heals at its first quorum
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -66,5 +68,5 @@ with scopes():
                 break
     weights = {k: v.full_tensor() if hasattr(v, "full_tensor") else v  # sharded(): gathered
                for k, v in model.state_dict().items()}
-    torch.save({"seen": seen, "restart": restart, "weights": weights},
+    torch.save({"seen": seen, "restart": restart, "weights": weights, "entry": entry},
                os.path.join(out, f"group{state().replica_group}-rank{state().rank}.pt"))
