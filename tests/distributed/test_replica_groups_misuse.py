@@ -184,7 +184,7 @@ def test_groups_of_other_sizes_or_other_data_are_named_and_the_first_trains_on(
         "replica group 0 (its first DataLoader: 40 samples in batches of 4, against 64 in "
         "batches of 4): each group trains its share of one data set. Start every replica group "
         "with the same data and arguments."], text
-    assert "Traceback" not in logs[0] and "did not reach" not in logs[0], text
+    assert "did not reach" not in logs[0], text
     assert ("accel-ctx: replica group 1 has 2 processes and replica group 0 has 1: it is refused "
             "and stops; this job trains on without it.") in logs[0], text
     _trained_alone_to_the_end(tmp_path, text)
