@@ -15,15 +15,11 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
-import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-from typing_extensions import override
 
 from .errors import AccelCtxError
 
@@ -103,31 +99,13 @@ def launch_main(argv: Sequence[str]) -> int:
 def run_replica_group(
     options: argparse.Namespace, settings: dict[str, Any], network_note: str = ""
 ) -> int:
-    """One replica group's launcher: :func:`run_torchrun` watched by
-    :func:`accel_ctx._launch.group_watch.watch`, its workers told where to mark that they
-    joined; 1 with one line when they all ended 0 and none did (no ``distributed()``)."""
-    from ._job import env as _env
+    """One replica group's launcher: :func:`run_torchrun` as
+    :func:`accel_ctx._launch.group_watch.run_group` watches it."""
     from ._launch import group_watch
 
-    group = int(os.environ.get(_env.REPLICA_GROUP_VAR) or 0)
-    marks = group_watch.make_marks(os.environ)
-    os.environ[_env.REPLICA_MARKS_VAR] = marks
-    try:
-        with group_watch.watch(os.environ[_env.LIGHTHOUSE_VAR], group,
-                               lambda failures, left, most: group_failure(
-                                   failures, group, left, most),
-                               multi_machine="lighthouse" in settings):
-            code = run_torchrun(options, settings, network_note, group=group)
-        alone = group_watch.never_joined(marks, group) if code == 0 else ""
-    except group_watch.LighthouseLost as exc:
-        print(f"accel-ctx launch: {exc}", file=sys.stderr)
-        return 1
-    finally:
-        group_watch.drop_marks(marks)
-    if alone:
-        print(f"accel-ctx launch: {alone}", file=sys.stderr)
-        return 1
-    return code
+    return group_watch.run_group(
+        lambda group: run_torchrun(options, settings, network_note, group=group),
+        _verdict, multi_machine="lighthouse" in settings)
 
 
 def torchrun_options(args: Sequence[str], script_args: int) -> argparse.Namespace:
@@ -185,17 +163,17 @@ def run_torchrun(
     killed by signal N); a launcher stopped by a signal (Ctrl-C) exits with 128 + N after one
     line, as a shell does. ``network_note`` (several nodes: the addresses this node tried)
     follows a failure. A replica ``group``'s launcher said its failure already (each as it
-    happened, :func:`group_failure`): torchrun's table is not printed again.
+    happened, ``group_watch.failure_line``): torchrun's table is not printed again.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import run
 
-    from ._launch.signals import forward_sigusr1
+    from ._launch.signals import forward_sigusr1, quiet_signal_shutdown
 
     try:
-        with _quiet_signal_shutdown(), forward_sigusr1():
+        with quiet_signal_shutdown(), forward_sigusr1():
             record(run)(options)  # what torchrun's main() does once it has parsed its options
     except SignalException as exc:
         return interrupted(int(exc.sigval))
@@ -289,32 +267,6 @@ def _verdict(exc: Any) -> tuple[int, Any, tuple[int, str] | None, int]:
     return rank, failure, None, _code(int(failure.exitcode))
 
 
-class _DropSignalShutdown(logging.Filter):
-    """Drops torchrun's lines about a signal to the launcher (it says so in one line itself)."""
-
-    signalled = False
-
-    @override
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = str(record.msg)
-        self.signalled = self.signalled or "death signal" in text
-        return not (self.signalled and ("death signal" in text or "closing signal" in text))
-
-
-@contextlib.contextmanager
-def _quiet_signal_shutdown() -> Iterator[None]:
-    loggers = [logging.getLogger(f"torch.distributed.elastic.{name}")
-               for name in ("agent.server.api", "multiprocessing.api")]
-    quiet = _DropSignalShutdown()
-    for logger in loggers:
-        logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(quiet)
-
-
 def describe_failure(exc: Any, max_restarts: int) -> str:
     """torchrun's failure table, then one line naming the rank that caused the failure and
     why (see ``_verdict``)."""
@@ -344,42 +296,6 @@ def describe_failure(exc: Any, max_restarts: int) -> str:
         f"{exc.format_msg()}\naccel-ctx launch: rank {rank} (local rank {failure.local_rank}, "
         f"pid {failure.pid}) {how}; the job stopped every rank{retry}."
     )
-
-
-def group_failure(failures: Any, group: int, left: int, max_restarts: int) -> str:
-    """One line for a failure of replica ``group``'s workers (torchrun's ``failures``, by rank),
-    in place of torchrun's own: the rank that caused it (see ``_verdict``), how it ended, and
-    what the group does next (``left`` of ``max_restarts`` restarts).
-
-    Examples:
-        >>> from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
-        >>> killed = ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file="")
-        >>> print(group_failure({0: killed}, 1, 3, 3))  # doctest: +NORMALIZE_WHITESPACE
-        accel-ctx launch: rank 0 of replica group 1 (local rank 0, pid 7) was killed by signal
-        SIGKILL; the group restarts its workers (restart 1 of 3), which heal from a live group.
-    """
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    rank, failure, namer, _ = _verdict(ChildFailedError("worker", dict(failures)))
-    who = f"rank {rank} of replica group {group}"
-    if namer is not None:
-        by = f" (named by rank {namer[0]})" if namer[0] != rank else ""
-        what = f"{who} caused the failure{by}: {namer[1]}"
-    elif failure.exitcode < 0:
-        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) was killed by "
-                f"signal {failure.signal_name()}")
-    else:
-        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) exited with code "
-                f"{failure.exitcode} (its output is above)")
-    if left > 0:
-        then = (f"the group restarts its workers (restart {max_restarts - left + 1} of "
-                f"{max_restarts}), which heal from a live group")
-    elif max_restarts:
-        then = f"the group ends, its {max_restarts} restart(s) spent"
-    else:
-        then = ("the group ends (add --max-restarts K to restart its workers, which then heal "
-                "from a live group)")
-    return f"accel-ctx launch: {what}; {then}."
 
 
 def main(argv: Sequence[str] | None = None) -> int:

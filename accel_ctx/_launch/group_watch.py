@@ -195,3 +195,70 @@ def never_joined(folder: str, group: int) -> str:
             "(or sharded()), so its workers never met the other replica groups, and each group "
             "trained a model of its own. Wrap the training loop in `with distributed():` (the "
             "model, optimizer and loader built inside it).")
+
+
+def run_group(run: Callable[[int], int], verdict: Callable[[Any], tuple[int, Any, Any, int]],
+              multi_machine: bool) -> int:
+    """One replica group's launcher: ``run(group)`` (torchrun's, in this process) inside
+    :func:`watch`, its workers told where to mark that they joined; 1 with one line when the
+    lighthouse is lost, or when they all ended 0 and none joined (no ``distributed()``).
+    ``verdict`` (the CLI's) names the rank that caused a failure, as :func:`failure_line` says."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    group = int(os.environ.get(_env.REPLICA_GROUP_VAR) or 0)
+    marks = make_marks(os.environ)
+    os.environ[_env.REPLICA_MARKS_VAR] = marks
+
+    def describe(failures: Any, left: int, most: int) -> str:
+        return failure_line(verdict(ChildFailedError("worker", dict(failures))), group, left,
+                            most)
+
+    try:
+        with watch(os.environ[_env.LIGHTHOUSE_VAR], group, describe, multi_machine):
+            code = run(group)
+        alone = never_joined(marks, group) if code == 0 else ""
+    except LighthouseLost as exc:
+        print(f"accel-ctx launch: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        drop_marks(marks)
+    if alone:
+        print(f"accel-ctx launch: {alone}", file=sys.stderr)
+        return 1
+    return code
+
+
+def failure_line(verdict: tuple[int, Any, Any, int], group: int, left: int,
+                 max_restarts: int) -> str:
+    """One line for a failure of replica ``group``'s workers, in place of torchrun's own:
+    ``verdict`` (the rank that caused it, its failure, (the rank that named it, its message) or
+    None, the exit code), and what the group does next (``left`` of ``max_restarts`` restarts).
+
+    Examples:
+        >>> from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+        >>> from accel_ctx._launch.group_watch import failure_line
+        >>> killed = ProcessFailure(local_rank=0, pid=7, exitcode=-9, error_file="")
+        >>> print(failure_line((0, killed, None, 137), 1, 3, 3))  # doctest: +NORMALIZE_WHITESPACE
+        accel-ctx launch: rank 0 of replica group 1 (local rank 0, pid 7) was killed by signal
+        SIGKILL; the group restarts its workers (restart 1 of 3), which heal from a live group.
+    """
+    rank, failure, namer, _ = verdict
+    who = f"rank {rank} of replica group {group}"
+    if namer is not None:
+        by = f" (named by rank {namer[0]})" if namer[0] != rank else ""
+        what = f"{who} caused the failure{by}: {namer[1]}"
+    elif failure.exitcode < 0:
+        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) was killed by "
+                f"signal {failure.signal_name()}")
+    else:
+        what = (f"{who} (local rank {failure.local_rank}, pid {failure.pid}) exited with code "
+                f"{failure.exitcode} (its output is above)")
+    if left > 0:
+        then = (f"the group restarts its workers (restart {max_restarts - left + 1} of "
+                f"{max_restarts}), which heal from a live group")
+    elif max_restarts:
+        then = f"the group ends, its {max_restarts} restart(s) spent"
+    else:
+        then = ("the group ends (add --max-restarts K to restart its workers, which then heal "
+                "from a live group)")
+    return f"accel-ctx launch: {what}; {then}."

@@ -9,10 +9,13 @@ each worker, which saves at its next step boundary and exits to be restarted.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 from collections.abc import Iterator
 from typing import Any
+
+from typing_extensions import override
 
 
 @contextlib.contextmanager
@@ -57,3 +60,40 @@ def children_of(parent: int) -> list[int]:
             if int(fields[1]) == parent:
                 found.append(int(entry.name))
     return found
+
+
+_children = children_of  # the name tests/test_fast_tier.py reads
+
+
+class _DropSignalShutdown(logging.Filter):
+    """Drops torchrun's lines about a signal to the launcher (it says so in one line itself)."""
+
+    signalled = False
+
+    @override
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = str(record.msg)
+        self.signalled = self.signalled or "death signal" in text
+        return not (self.signalled and ("death signal" in text or "closing signal" in text))
+
+
+@contextlib.contextmanager
+def quiet_signal_shutdown() -> Iterator[None]:
+    """While torchrun runs: its own lines about a signal to the launcher are dropped (the
+    launcher says it in one line itself); its other lines stay.
+
+    Examples:
+        >>> from accel_ctx._launch.signals import quiet_signal_shutdown
+        >>> with quiet_signal_shutdown():
+        ...     pass
+    """
+    loggers = [logging.getLogger(f"torch.distributed.elastic.{name}")
+               for name in ("agent.server.api", "multiprocessing.api")]
+    quiet = _DropSignalShutdown()
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
