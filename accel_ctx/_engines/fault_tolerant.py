@@ -379,10 +379,13 @@ class ReplicaGroupRuntime(Concern):
     def before_batch(self, session: Session) -> None:
         if torch.is_grad_enabled() and self._members:  # a training batch: the step's quorum
             loaders = session.loaders
-            if loaders and loaders[-1].at_end:
-                # the epoch's end: no batch follows, and a loop that ends here must not have
-                # joined the others' next step (its next batch or forward forms the quorum)
-                return
+            if not self._open and loaders and loaders[-1].at_end:
+                # the epoch's end, before the next is planned (a healing peer's state is taken
+                # here): a loop that ends here has joined the others' next step, so this
+                # quorum gets a new id (a commit failure reported) and every group checks at
+                # it, where a finishing group's row says it finished (one small all-reduce
+                # per epoch)
+                self.manager._commit_failures = max(1, int(self.manager._commit_failures))
             self._quorum()
 
     @override
