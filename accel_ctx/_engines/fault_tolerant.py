@@ -24,153 +24,25 @@ report it as a failure.
 
 from __future__ import annotations
 
-import os
-import re
 import sys
-import tempfile
 import time
-from collections import Counter
 from contextlib import ExitStack
-from typing import Any, Protocol
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from typing_extensions import override
 
-from .._job.env import replica_marks
 from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import OptimizerRecord, Session
 from ..errors import ConfigurationError, RendezvousError
 from . import replica_check as _check
+from . import replica_client as _ft
 from . import replica_events as _events
 from . import replica_quiet as _quiet
 from .buckets import reduce_in_buckets
-
-# the launcher's hint (_launch.replica_groups, a wing this layer does not import): no PyPI release
-FT_INSTALL = ("pip install 'torchft>=0.2' (the package of accel_ctx's ft extra: in the accel_ctx "
-              "clone `pip install -e '.[ft]'`, or `pip install 'accel-ctx[ft]'` where accel_ctx "
-              "is installed)")
-_NO_TORCHFT = (
-    "this process was started in a replica group (TORCHFT_LIGHTHOUSE is set: accel-ctx launch "
-    "--replica-groups), which needs torchft: " + FT_INSTALL + ", or launch without "
-    "--replica-groups.")
-
-
-def _torchft() -> Any:
-    try:
-        import torchft
-    except ImportError as exc:
-        raise ConfigurationError(_NO_TORCHFT) from exc
-    return torchft
-
-
-class Healing(Protocol):
-    """The objects a group met and the states a peer sent (``_checkpoint.heal.PeerState``)."""
-
-    source: int
-
-    def folder(self) -> str | None: ...
-    def models(self) -> list[nn.Module]: ...
-    def loaders(self) -> list[Any]: ...
-    def met(self, kind: str, obj: Any) -> None: ...
-    def met_loader(self, loader: Any, record: Any) -> None: ...
-    def state(self, group: int) -> dict[str, Any]: ...
-    def load(self, sent: dict[str, Any]) -> None: ...
-
-
-_CLASH_GRACE = 5.0  # seconds: more than the lighthouse's heartbeat timeout (2 s)
-
-
-class _Clash(Exception):
-    """A quorum this group must not train in (raised in torchft's quorum thread, before the
-    quorum configures a process group or heals anyone): two members with this group's index,
-    or groups of other sizes. ``newcomer``: this group is the one that stops (the others wait
-    for it to be gone); ``error``: what it says."""
-
-    def __init__(self, newcomer: bool, error: str | None = None, told: str | None = None,
-                 quiet: bool = False, odd: int = -1) -> None:
-        super().__init__("a quorum this replica group must not train in")
-        self.newcomer, self.error, self.told, self.quiet = newcomer, error, told, quiet
-        self.odd = odd  # the group refused
-
-
-class _RecordingClient:
-    """torchft's manager client, keeping the last quorum (which groups are in it), and refusing
-    a quorum that holds another member with this group's index (another job at the same
-    lighthouse, or a group started with the same --replica-group)."""
-
-    def __init__(self, client: Any, own: str) -> None:
-        self._client = client
-        self.last: Any = None
-        self.own = own  # this group's torchft replica id ("accel_ctx_n<size>_<group>:<uuid>")
-        self.fresh = True  # no quorum yet: a clash at its first makes this group the newcomer
-        self.tied: float | None = None  # since when groups of two sizes are as many
-
-    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
-        quorum = self._client._quorum(*args, **kwargs)
-        group = _group_of(self.own)
-        same = sorted(r for r in quorum.replica_ids if _group_of(r) == group)
-        if len(same) > 1:
-            # the one that joined last leaves; two that joined at once: all but the first id
-            raise _Clash(self.fresh and (quorum.heal or self.own != same[0]))
-        # groups of other sizes meet in no collective (a rank without a peer waits for it):
-        # the size the most groups have (the lowest group's among equals) stays
-        sizes = {_group_of(r): _size_of(r) for r in quorum.replica_ids if _size_of(r)}
-        if len(set(sizes.values())) > 1:
-            counts = Counter(sizes.values())
-            best = max(counts.values())
-            if list(counts.values()).count(best) > 1 and 0 not in sizes:
-                # as many of each, group 0 not there yet: wait a little for it to tip the scale
-                self.tied = self.tied or time.monotonic()
-                if time.monotonic() - self.tied < 2 * _CLASH_GRACE:
-                    raise _Clash(False, quiet=True)
-            keep = next(sizes[g] for g in sorted(sizes) if counts[sizes[g]] == best)
-            like = min(g for g in sizes if sizes[g] == keep)
-            odd = min(g for g in sizes if sizes[g] != keep)
-            error = _events.sizes(odd, sizes[odd], like, keep)
-            raise _Clash(sizes[group] != keep, error, error.split(":")[0], odd=odd)
-        self.fresh = False
-        self.last = quorum
-        return quorum
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._client, name)
-
-
-def mark_joined(rank: int, folder: str | None = None) -> None:
-    """Tell the group's launcher that this rank's replica runtime opened: an empty file
-    ``joined-<rank>`` in ``ACCEL_CTX_REPLICA_MARKS`` (or ``folder``), made whole at once (a
-    temporary file renamed); nothing where the variable is unset or the folder is gone.
-
-    >>> import os, tempfile
-    >>> with tempfile.TemporaryDirectory() as marks:
-    ...     mark_joined(1, marks)
-    ...     os.listdir(marks)
-    ['joined-1']
-    """
-    folder = folder or replica_marks()
-    if folder is None:
-        return
-    try:
-        fd, temporary = tempfile.mkstemp(prefix=".joined-", dir=folder)
-        os.close(fd)
-        os.replace(temporary, os.path.join(folder, f"joined-{rank}"))
-    except OSError:  # the launcher removed its folder (it is ending): nobody reads the mark
-        pass
-
-
-def _size_of(replica_id: str) -> int:
-    """The number of processes of the group whose replica id this is (0: not said)."""
-    found = re.fullmatch(r"accel_ctx_n(\d+)_\d+", replica_id.split(":")[0])
-    return int(found[1]) if found else 0
-
-
-def _group_of(replica_id: str) -> int:
-    digits = replica_id.split(":")[0].rsplit("_", 1)[-1]
-    return int(digits) if digits.isdigit() else -1
+from .replica_client import Healing, mark_joined
 
 
 class ReplicaGroupRuntime(Concern):
@@ -180,7 +52,7 @@ class ReplicaGroupRuntime(Concern):
     slot, order = "replica_groups", 50
 
     def __init__(self, job: Job, exits: ExitStack, healing: Healing) -> None:
-        torchft = _torchft()
+        torchft = _ft.torchft_module()
         launch = job.launch
         self.group, self.groups = launch.replica_group, launch.replica_groups
         self.address = str(launch.lighthouse)
@@ -190,13 +62,8 @@ class ReplicaGroupRuntime(Concern):
         self._open = False  # a quorum was formed for the step under way
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
         self._members: frozenset[int] = frozenset()
-        # the groups check each other's script and model at the first step of each quorum, by
-        # the lighthouse's quorum id, which every member of a quorum reads alike: it changes
-        # when the members change (a group restarted before the others saw it leave comes back
-        # as a new Manager, a new id) and after a step that failed in any group. A group's own
-        # view of the members does not do: a group frozen past its heartbeat (SIGSTOP, swapped
-        # out) was dropped and is back, yet it never saw itself leave, and it would send its
-        # gradients into the check its peers run (a collective mismatch that aborts them)
+        # the check runs at each new quorum id, which every member reads alike (module
+        # docstring): not by this group's own view of the members, which a frozen group lacks
         self._quorum_id = -1
         self._checked_quorum = -1
         self._failure: str | None = None  # why the last step was not committed
@@ -207,34 +74,11 @@ class ReplicaGroupRuntime(Concern):
         self._gathering = False  # the first quorum waits for every group
         self.participants = 1  # this group alone until a quorum says otherwise
         self._timeout = timeout = _events.timeout()
-        pg = torchft.ProcessGroupGloo(timeout=timeout)
         _quiet.quiet_torchft(exits)
-
-        def make() -> Any:
-            transport = _quiet.quiet_transport(torchft, timeout)
-            try:
-                return torchft.Manager(
-                    pg=pg, checkpoint_transport=transport, load_state_dict=self.healing.load,
-                    state_dict=lambda: self.healing.state(self.group),
-                    min_replica_size=1, use_async_quorum=False,  # heal before the batch
-                    timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout,
-                    rank=job.rank, world_size=job.world_size, lighthouse_addr=self.address,
-                    # the group's size in its id: every member of a quorum reads the others'
-                    replica_id=f"accel_ctx_n{job.world_size}_{self.group}")
-            except Exception as exc:  # the lighthouse is not there
-                transport.shutdown(wait=False)
-                raise self._unreachable(exc) from exc
-
-        if job.world_size > 1 and dist.is_initialized():
-            # rank 0 publishes its manager's address in the group's store: the others read it
-            # only after, never a stale one from before a restart
-            manager = make() if job.rank == 0 else None
-            dist.barrier()
-            self.manager = manager if manager is not None else make()
-        else:
-            self.manager = make()
+        self.manager = _ft.open_manager(torchft, job, self.group, self.address, healing, timeout,
+                                        self._unreachable)
         own = self.manager._store.get("replica_id").decode()  # torchft's REPLICA_ID_KEY
-        self._client = _RecordingClient(self.manager._client, own)
+        self._client = _ft.RecordingClient(self.manager._client, own)
         self.manager._client = self._client
         exits.callback(self.manager.shutdown, wait=False)
         exits.push(self._leave)  # before the shutdown: the others hear that it finished
@@ -280,30 +124,10 @@ class ReplicaGroupRuntime(Concern):
 
     def _start(self) -> None:
         previous, last_id, last_step = self._members, self._quorum_id, self._step()
-        began, told = time.monotonic(), False
-        while True:
-            try:
-                self.manager.start_quorum()
-                break
-            except _Clash as clash:
-                self.manager._quorum_future = None  # failed: the next start must not wait on it
-                waited = time.monotonic() - began
-                # a member with this index that died asking for a quorum is gone once its
-                # heartbeat lapses: only one that is still there after that is another group
-                if clash.newcomer and clash.error is not None:
-                    raise ConfigurationError(clash.error) from None
-                if waited > (_CLASH_GRACE if clash.newcomer else self._timeout.total_seconds()):
-                    raise ConfigurationError(_events.clash(self.group, self.address)) from None
-                if not clash.newcomer and not told and not clash.quiet:  # the newcomer stops
-                    self._say(_events.refused(clash.told) if clash.told is not None
-                              else _events.clashed(self.group, self._step()))
-                    told = True
-                    self._refused.add(clash.odd)
-                time.sleep(0.5)
-            except Exception as exc:
-                raise self._unreachable(exc) from exc
+        _ft.start_quorum(self.manager, self._timeout.total_seconds(), self._refuse,
+                         self._unreachable, lambda: _events.clash(self.group, self.address))
         quorum = self._client.last
-        self._members = frozenset(_group_of(r) for r in quorum.replica_ids) if quorum else (
+        self._members = frozenset(_ft.group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
         self._quorum_id = int(quorum.quorum_id) if quorum else -1
         self.participants = len(self._members)  # the groups in the step under way
@@ -333,6 +157,12 @@ class ReplicaGroupRuntime(Concern):
                                                              self._world)))
         self._finished -= set(left)
         self._failure = None
+
+    def _refuse(self, clash: _ft.Clash) -> None:
+        """The group that stays says once which group its quorum refused."""
+        self._say(_events.refused(clash.told) if clash.told is not None
+                  else _events.clashed(self.group, self._step()))
+        self._refused.add(clash.odd)
 
     def _step(self) -> int:
         """The job's committed step: the session's under local_sgd() (where the Manager counts

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from accel_ctx._engines import fault_tolerant
+from accel_ctx._engines import replica_client
 from accel_ctx._launch import lighthouse, replica_groups
 from accel_ctx._launch.settings import SETTINGS
 
@@ -24,7 +24,7 @@ def _ft_extra() -> list[str]:
 
 
 @pytest.mark.parametrize("message", [
-    replica_groups._NO_TORCHFT, lighthouse._NO_TORCHFT, fault_tolerant._NO_TORCHFT,
+    replica_groups._NO_TORCHFT, lighthouse._NO_TORCHFT, replica_client._NO_TORCHFT,
 ], ids=["launch", "lighthouse", "worker"])
 def test_a_missing_torchft_names_an_install_that_works_without_pypi_release(message):
     (requirement,) = _ft_extra()

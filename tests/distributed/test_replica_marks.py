@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from accel_ctx._engines.fault_tolerant import mark_joined
+from accel_ctx._engines.replica_client import mark_joined
 
 
 def test_each_rank_marks_once_in_the_launchers_folder_and_a_gone_folder_is_ignored(
