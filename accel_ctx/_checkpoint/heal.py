@@ -89,6 +89,9 @@ class PeerState:
         # the session's step count and each open concern's state (accumulation counters, the
         # fp16 loss scale, local_sgd()'s periods and DiLoCo's outer state), as a checkpoint has
         sent["step"] = stack.session.step if stack is not None else 0
+        if stack is not None:  # fp16's skipped steps: the device's flags, read (state() too)
+            stack.session.read_skips()
+        sent["skipped"] = stack.session.skipped_steps if stack is not None else 0
         sent["concerns"] = ({c.slot: st for c in stack.concerns if (st := c.state_dict())}
                             if stack is not None else {})
         for kind in _KINDS:
@@ -117,6 +120,8 @@ class PeerState:
         _rng.restore(sent["rng"])
         if stack is not None:
             stack.session.step = int(sent["step"])  # run.step and state().step go on from there
+            stack.session.forget_unread()  # the peer's count replaces this group's
+            stack.session.skipped_steps = int(sent.get("skipped", 0))
             for concern in stack.concerns:
                 if concern.slot in sent["concerns"]:
                     concern.load_state_dict(sent["concerns"][concern.slot])

@@ -43,6 +43,7 @@ def test_a_killed_group_heals_the_fp16_loss_scale_of_its_peer(tmp_path: Path) ->
     for s in healed["seen"]:
         peer = by_step[s["step"]]
         assert s["scale"] == peer["scale"], (s["step"], s["scale"], peer["scale"])
+        assert s["skipped"] == peer["skipped"], (s["step"], s["skipped"], peer["skipped"])
         for name, value in s["weights"].items():
             assert torch.equal(value, peer["weights"][name]), (s["step"], name)
     # the scaler was exercised after the heal too: an overflow, and the scale moved
