@@ -78,4 +78,4 @@ def test_the_launcher_forwards_sigusr1_while_it_runs_and_restores_the_handler_af
     with signals.forward_sigusr1():
         assert signal.getsignal(signal.SIGUSR1) is not before
     assert signal.getsignal(signal.SIGUSR1) is before
-    assert os.getpid() in signals._children(os.getppid())  # read from /proc
+    assert os.getpid() in signals.children_of(os.getppid())  # read from /proc

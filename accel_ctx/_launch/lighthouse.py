@@ -24,13 +24,12 @@ from collections.abc import Sequence
 
 from ..errors import AccelCtxError, ConfigurationError
 from .config import fail, load
-from .replica_groups import FT_INSTALL, bracketed, start_lighthouse
+from .replica_groups import FT_INSTALL, WILDCARDS, bracketed, start_lighthouse
 
 DEFAULT_PORT = 29510
 """Beside torchrun's 29500, as the groups' own rendezvous ports are (one machine: any)."""
 _NO_TORCHFT = (f"the lighthouse is torchft's: {FT_INSTALL} on this machine, then run "
                "`accel-ctx lighthouse` again.")
-_WILDCARDS = ("[::]", "0.0.0.0", "::")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -77,7 +76,7 @@ def lighthouse_main(argv: Sequence[str]) -> int:
     except AccelCtxError as exc:
         return fail("lighthouse", exc)
     address = server.address()  # http://<this host's name>:<port>
-    if host not in _WILDCARDS:  # listening on one address: the groups must dial that one
+    if host not in WILDCARDS:  # listening on one address: the groups must dial that one
         address = f"http://{host}:{address.rsplit(':', 1)[1]}"
     print(f"accel-ctx lighthouse: listening at {address}; start each replica group with "
           f"`accel-ctx launch --lighthouse {address} --replica-group I ...` (a quorum needs "

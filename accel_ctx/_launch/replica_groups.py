@@ -37,7 +37,8 @@ PARENT_VAR = "ACCEL_CTX_REPLICA_LAUNCHER"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 _STOPPING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _GRACE_S = 60.0  # a group's agent stops its workers (SIGTERM, 30 s, SIGKILL) within this
-_WILDCARDS = ("[::]", "0.0.0.0", "::", "")
+WILDCARDS = ("[::]", "0.0.0.0", "::", "")
+"""Bind addresses meaning every interface: the groups dial a host of the machine instead."""
 
 # accel_ctx has no release on PyPI: torchft itself, or the extra from where accel_ctx was installed
 FT_INSTALL = ("pip install 'torchft>=0.2' (the package of accel_ctx's ft extra: in the accel_ctx "
@@ -221,7 +222,7 @@ def _run(argv: Sequence[str], groups: int, environ: Mapping[str, str], bind: str
             "this machine (127.0.0.1, the default, for groups on one machine).") from exc
     host = bind.rsplit(":", 1)[0]
     # the groups dial loopback when it listens on every interface: they run on this machine
-    dial = "127.0.0.1" if host in _WILDCARDS else host
+    dial = "127.0.0.1" if host in WILDCARDS else host
     address = f"http://{dial}:{lighthouse.address().rsplit(':', 1)[1]}"
     print(f"accel-ctx launch: {groups} replica groups, lighthouse at {address}", file=sys.stderr)
     # each group's launcher gets the same command line: the group index in its environment

@@ -62,9 +62,6 @@ def children_of(parent: int) -> list[int]:
     return found
 
 
-_children = children_of  # the name tests/test_fast_tier.py reads
-
-
 class _DropSignalShutdown(logging.Filter):
     """Drops torchrun's lines about a signal to the launcher (it says so in one line itself)."""
 
