@@ -39,6 +39,7 @@ class PeerState:
         self._pending_loaders: list[dict[str, Any]] = []
         self.source = -1  # the group the last state came from
         self._stack: _state.Stack | None = None  # this process's scopes (read while it waits)
+        self._held: dict[str, Any] | None = None  # hold(): the step's start, for a peer
 
     # ---- meeting objects -------------------------------------------------------------------------
     def folder(self) -> str | None:
@@ -81,10 +82,16 @@ class PeerState:
             _position.apply_position(loader, record, entry["position"], entry["generator"])
 
     # ---- a peer's side ---------------------------------------------------------------------------
-    def state(self, group: int) -> dict[str, Any]:
-        """What this group sends a healing peer (read while the main thread waits in the
-        quorum: no collective, the ranks of every group stand at the same batch)."""
-        sent: dict[str, Any] = {"group": group, "rng": _rng.capture()}
+    def hold(self, now: bool) -> None:
+        """``now``: what :meth:`state` sends besides the tensors is what stands at this moment
+        (a step's start, on the main thread: its quorum forms while the step runs, and torchft
+        reads the state in its own thread); else what stands when it is read."""
+        self._held = self._volatile() if now else None
+
+    def _volatile(self) -> dict[str, Any]:
+        """What a step changes besides the tensors a commit changes: the random streams, the
+        step counts, the concerns' counters, the DataLoader positions."""
+        sent: dict[str, Any] = {"rng": _rng.capture()}
         stack = self._stack
         # the session's step count and each open concern's state (accumulation counters, the
         # fp16 loss scale, local_sgd()'s periods and DiLoCo's outer state), as a checkpoint has
@@ -94,11 +101,6 @@ class PeerState:
         sent["skipped"] = stack.session.skipped_steps if stack is not None else 0
         sent["concerns"] = ({c.slot: st for c in stack.concerns if (st := c.state_dict())}
                             if stack is not None else {})
-        for kind in _KINDS:
-            objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
-            # sharded(): each rank sends its own shards (the same rank of the healing group
-            # receives them), as plain tensors
-            sent[kind] = [_locals(o.state_dict()) for o in objs] + self._pending[kind]
         loaders = []
         for loader in (ref() for ref in self._loaders):
             if loader is None:
@@ -107,6 +109,18 @@ class PeerState:
                 "position": _position.position(loader, None, [_position.yielded(loader)]),
                 "generator": _position.generator_state(loader)})
         sent["loaders"] = loaders + self._pending_loaders
+        return sent
+
+    def state(self, group: int) -> dict[str, Any]:
+        """What this group sends a healing peer (no collective: the ranks of every group stand
+        at the same batch)."""
+        sent: dict[str, Any] = {"group": group, **(self._held or self._volatile())}
+        for kind in _KINDS:
+            objs = [o for o in (ref() for ref in self._met[kind]) if o is not None]
+            # sharded(): each rank sends its own shards (the same rank of the healing group
+            # receives them), as plain tensors; unchanged until the step's commit, which waits
+            # for the peer to have them
+            sent[kind] = [_locals(o.state_dict()) for o in objs] + self._pending[kind]
         return sent
 
     # ---- the healing side ------------------------------------------------------------------------

@@ -42,3 +42,13 @@ def reduce_in_buckets(
         for t in group:
             t.copy_(flat[offset:offset + t.numel()].view_as(t))
             offset += t.numel()
+
+
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (the tensor itself under no_grad), else the tensor.
+
+    >>> local_shard(torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor

@@ -1,25 +1,23 @@
 """Fault-tolerant replica groups: torchft's Manager across the groups, DDP inside each.
 
-``accel-ctx launch --replica-groups R`` starts R groups of processes, each its own job (its own
-process group, its own restarts), told the lighthouse's address. Inside, ``distributed()`` opens
-a :class:`ReplicaGroupRuntime` beside its own runtime: each step begins with a quorum of the
-groups that are alive (torchft's ``Manager.start_quorum``, which also heals a group that comes
-back, from a live peer's state), the gradients DDP averaged inside the group are averaged over
-the groups in the quorum (``Manager.allreduce``), and ``opt.step()`` runs only when
-``Manager.should_commit()`` says every group's part of the step succeeded. A step whose
-collective failed (a group died in it) is not committed and not counted; the survivors go on.
+``accel-ctx launch --replica-groups R`` starts R groups, each its own job (its own process
+group and restarts), told the lighthouse's address. ``distributed()`` opens a
+:class:`ReplicaGroupRuntime` beside its runtime: each step has a quorum of the live groups
+(torchft's ``Manager.start_quorum``, which heals a group that comes back from a peer), the
+gradients DDP averaged in the group are averaged over the quorum (``Manager.allreduce``), and
+``opt.step()`` runs only when ``Manager.should_commit()`` says every group's part succeeded; a
+step whose collective failed is not committed nor counted, and the survivors go on.
 
-The quorum of a step is formed before its first batch is fetched (so a healing group's
-DataLoader continues at its peers' position), or at its first forward where no DataLoader
-drives the loop. The first quorum waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every
-group, so that an undisturbed job trains every step with all of them.
+A step's quorum is asked for before its first batch (or at its first forward) and forms while
+the batch is fetched and the forward and backward run (torchft's asynchronous quorum); it is
+taken before the first collective. A group's first quorum, and the next after a pause (it may
+have been left out), form before the batch, so that a healing group's DataLoader continues at
+its peers' position; the first waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every group.
 
-At the first step of every quorum the lighthouse numbers anew (its quorum id, which every
-member reads alike), the groups compare their scripts, models, sizes and data
-(``replica_check``) before any gradient is averaged. A group whose quorum id jumped was left out
-meanwhile (frozen, paused, too slow) and says so; a group whose loop ends while the others go on
-says so as its scope closes (one more quorum, its row marked finished), so that they do not
-report it as a failure.
+At each new quorum id (every member reads it alike) the groups compare their scripts, models,
+sizes and data (``replica_check``) before any gradient is averaged. A group whose quorum id
+jumped was left out meanwhile and says so; a group whose loop ends first says so as its scope
+closes (one more quorum, its row marked finished), so that the others do not report a failure.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from . import replica_check as _check
 from . import replica_client as _ft
 from . import replica_events as _events
 from . import replica_quiet as _quiet
-from .buckets import reduce_in_buckets
+from .buckets import local_shard, reduce_in_buckets
 from .replica_client import Healing, mark_joined
 
 
@@ -59,13 +57,12 @@ class ReplicaGroupRuntime(Concern):
         self.healing = healing
         self._speaks = job.rank == 0  # one line per event and group
         self._world = job.world_size  # every group must have as many processes
-        self._open = False  # a quorum was formed for the step under way
+        self._open = False  # a quorum was asked for the step under way
+        self._asked: tuple[frozenset[int], int, int] | None = None  # an overlapped one, unsettled
+        self._settled = 0.0  # when the last quorum came (time.monotonic())
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
-        self._members: frozenset[int] = frozenset()
-        # the check runs at each new quorum id, which every member reads alike (module
-        # docstring): not by this group's own view of the members, which a frozen group lacks
-        self._quorum_id = -1
-        self._checked_quorum = -1
+        self._members: frozenset[int] = frozenset()  # the check runs at each new quorum id (module docstring), not at this group's own view
+        self._quorum_id = self._checked_quorum = -1
         self._failure: str | None = None  # why the last step was not committed
         self._finished: set[int] = set()  # groups that said they finished (they did not fail)
         self._refused: set[int] = set()  # groups refused at a quorum (not waited for)
@@ -99,6 +96,14 @@ class ReplicaGroupRuntime(Concern):
         first = not self._members
         began = time.monotonic()
         stack = _state.current()
+        if not first and not self._local and not self.steps_locally(stack) and (
+                began - self._settled < _ft.OVERLAP_WITHIN):
+            # formed beside the step (none heals in it: the module docstring); a peer that
+            # heals from this group meanwhile gets the step's start
+            self.healing.hold(True)
+            self._asked = (self._members, self._quorum_id, self._step())
+            _ft.request_quorum(self.manager, self._unreachable)
+            return
         if first and stack is not None and stack.session.step > self.manager.current_step():
             # resumable() restored the job from its folder: every group goes on from that step
             step = stack.session.step
@@ -122,10 +127,26 @@ class ReplicaGroupRuntime(Concern):
                                      time.monotonic() - began))
             self.healing.source = -1
 
+    def _settle(self) -> None:
+        """Take the quorum asked for beside the step (a clash: formed again, in the open)."""
+        if self._asked is None:
+            return
+        asked, self._asked = self._asked, None
+        if _ft.settle_quorum(self.manager, self._client, self.group, self._unreachable):
+            self._took(*asked)
+        else:
+            self._start()
+
     def _start(self) -> None:
-        previous, last_id, last_step = self._members, self._quorum_id, self._step()
+        asked = self._members, self._quorum_id, self._step()
+        self.healing.hold(False)
         _ft.start_quorum(self.manager, self._timeout.total_seconds(), self._refuse,
                          self._unreachable, lambda: _events.clash(self.group, self.address))
+        self._took(*asked)
+
+    def _took(self, previous: frozenset[int], last_id: int, last_step: int) -> None:
+        """What a quorum brings: its members, and the lines for the groups that left or came."""
+        self._settled = time.monotonic()
         quorum = self._client.last
         self._members = frozenset(_ft.group_of(r) for r in quorum.replica_ids) if quorum else (
             frozenset({self.group}))
@@ -141,21 +162,10 @@ class ReplicaGroupRuntime(Concern):
             self._say(_events.dropped(self.group, last_step, step, len(self._members)))
             self._failure = None
             return
-        left, joined = sorted(previous - self._members), sorted(self._members - previous)
-        if self.group != min(self._members & previous, default=self.group):
-            left = joined = []  # the lowest group that stayed says it, once
-        for group in left:
-            self._left_at.setdefault(group, step)
-        failed = [g for g in left if g not in self._finished]  # the finished ones said so
-        if failed:
-            why = self._failure or "it stopped answering the lighthouse"
-            self._say(_events.left(failed, step, why, len(self._members)))
-        if joined:
-            away = [step - self._left_at.pop(g) for g in joined if g in self._left_at]
-            self._say(_events.joined(joined, step, len(self._members), max(away, default=0),
-                                     _check.samples_per_step(self.healing.loaders(),
-                                                             self._world)))
-        self._finished -= set(left)
+        for line in _events.changes(self.group, previous, self._members, step, self._failure,
+                                    self._left_at, self._finished,
+                                    _check.samples_per_step(self.healing.loaders(), self._world)):
+            self._say(line)
         self._failure = None
 
     def _refuse(self, clash: _ft.Clash) -> None:
@@ -165,21 +175,20 @@ class ReplicaGroupRuntime(Concern):
         self._refused.add(clash.odd)
 
     def _step(self) -> int:
-        """The job's committed step: the session's under local_sgd() (where the Manager counts
-        synchronisations), else torchft's."""
+        """The job's committed step: the session's under local_sgd() (torchft's counts syncs)."""
         stack = _state.current()
         if self.steps_locally(stack) and stack is not None:
             return stack.session.step
         return int(self.manager.current_step())
 
     def _leave(self, kind: Any, error: Any, trace: Any) -> bool:
-        """At the scope's end without an error: tell the groups in the last quorum that this one
-        finished (its row in one more check, that quorum's id made new so that every group
-        checks), so that they say so instead of reporting a failure. Never under local_sgd()
-        (its groups meet only at syncs), never after an error (the others see a failure)."""
+        """At the scope's end without an error: tell the last quorum's groups that this one
+        finished (its row in one more check, at a new quorum id), so that they do not report a
+        failure; not under local_sgd() (its groups meet at syncs) nor after an error."""
         if kind is not None or self._local or len(self._members) < 2:
             return False
         try:
+            self._settle()
             if not self._open:
                 # a commit failure to report makes the lighthouse give the next quorum a new id
                 self.manager._commit_failures = max(1, int(self.manager._commit_failures))
@@ -193,9 +202,8 @@ class ReplicaGroupRuntime(Concern):
         return False
 
     def writes_checkpoints(self) -> bool:
-        """Whether this group writes resumable()'s checkpoints: the lowest group in the quorum
-        (one healthy group writes the job's folder; a job that lost every group resumes from
-        it)."""
+        """Whether this group writes resumable()'s checkpoints: the quorum's lowest (one healthy
+        group writes the job's folder; a job that lost every group resumes from it)."""
         return not self._members or self.group == min(self._members)
 
     # ---- meeting objects ---------------------------------------------------------------------------
@@ -248,7 +256,7 @@ class ReplicaGroupRuntime(Concern):
         # sharded(): each rank's shard of a gradient, with the same rank of every other group
         # (torchft's HSDP: FSDP2 reduce-scattered inside the group already)
         with torch.no_grad():
-            grads = [_local(p.grad) for m in self.healing.models() for p in m.parameters()
+            grads = [local_shard(p.grad) for m in self.healing.models() for p in m.parameters()
                      if p.grad is not None]
         commit = self._average_and_vote(grads, "step", "its update is dropped in every group, "
                                         "and the next batch goes on.")
@@ -306,6 +314,7 @@ class ReplicaGroupRuntime(Concern):
     # ---- state() ---------------------------------------------------------------------------------
     @override
     def snapshot(self) -> dict[str, Any]:
+        self._settle()  # read during a step: its quorum's groups, as if it formed before it
         values = {"replica_group": self.group, "replica_groups": self.participants}
         stack = _state.current()
         if not self.steps_locally(stack):  # else each step is taken: the session's
@@ -333,13 +342,9 @@ class ReplicaGroupRuntime(Concern):
         """The quorum (if none is open), the groups' check when it changed, ``tensors``
         averaged over the groups in it (one all-reduce per device and dtype), the vote."""
         self._quorum()
+        self._settle()
         if self._quorum_id != self._checked_quorum or self._quorum_id < 0:
             self._check_same()
         reduce_in_buckets(tensors, lambda flat: self.manager.allreduce(flat).wait())
         return self._vote(what, outcome)
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the tensor itself under no_grad), else the tensor."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if to_local is not None else tensor

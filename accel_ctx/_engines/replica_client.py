@@ -23,7 +23,7 @@ from torch import nn
 
 from .._job.env import replica_marks
 from .._job.job import Job
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, RendezvousError
 from . import replica_events as _events
 from . import replica_quiet as _quiet
 
@@ -55,11 +55,15 @@ class Healing(Protocol):
     def loaders(self) -> list[Any]: ...
     def met(self, kind: str, obj: Any) -> None: ...
     def met_loader(self, loader: Any, record: Any) -> None: ...
+    def hold(self, now: bool) -> None: ...
     def state(self, group: int) -> dict[str, Any]: ...
     def load(self, sent: dict[str, Any]) -> None: ...
 
 
 CLASH_GRACE = 5.0  # seconds: more than the lighthouse's heartbeat timeout (2 s)
+# seconds: a group back from a longer pause may have been left out (the lighthouse's join
+# timeout is 1 s): its next quorum is formed before its batch, where it can heal
+OVERLAP_WITHIN = 0.5
 
 
 class Clash(Exception):
@@ -188,6 +192,7 @@ def start_quorum(manager: Any, clash_wait: float, refuse: Callable[[Clash], None
     the newcomer stops (a ConfigurationError) once the clash outlasts the heartbeat, the group
     that stays calls ``refuse`` once and waits up to ``clash_wait`` seconds for it to be gone."""
     began, told = time.monotonic(), False
+    manager._use_async_quorum = False  # heals before it returns, before the step's batch
     while True:
         try:
             manager.start_quorum()
@@ -207,3 +212,43 @@ def start_quorum(manager: Any, clash_wait: float, refuse: Callable[[Clash], None
             time.sleep(0.5)
         except Exception as exc:
             raise unreachable(exc) from exc
+
+
+def request_quorum(manager: Any, unreachable: Callable[[BaseException], Exception]) -> None:
+    """Ask for the next quorum without waiting for it (torchft's asynchronous quorum): it forms
+    in torchft's thread while this step's batch is fetched and its forward and backward run;
+    :func:`settle_quorum` takes it before the first collective."""
+    if manager._quorum_future is not None:
+        manager._quorum_future.result()  # settled already: the flag below is read in its thread
+    manager._use_async_quorum = True
+    try:
+        manager.start_quorum()
+    except Exception as exc:
+        manager._use_async_quorum = False
+        raise unreachable(exc) from exc
+
+
+def settle_quorum(manager: Any, client: RecordingClient, group: int,
+                  unreachable: Callable[[BaseException], Exception]) -> bool:
+    """Wait for the quorum :func:`request_quorum` asked for. False: it held a clash (the
+    caller forms it again synchronously, where the clash is refused or waited for)."""
+    try:
+        manager.wait_quorum()
+    except Clash:
+        manager._quorum_future = None  # the next start must not wait on it
+        return False
+    except Exception as exc:
+        raise unreachable(exc) from exc
+    finally:
+        manager._use_async_quorum = False
+    if manager._healing:
+        # left out while its step ran: that step's gradients are of older weights, and the
+        # others cannot tell (they count it), so it restarts and heals before its first batch
+        raise RendezvousError(_events.lapsed(group))
+    # an asynchronous quorum counts only the groups at the newest step; none heals in this one
+    # (a group that comes back heals before its first batch), so every member takes part, as
+    # in a quorum formed synchronously, and every group divides the sum by the same count
+    quorum = client.last
+    manager._participating_replica_rank = quorum.replica_rank
+    manager._participating_replica_world_size = quorum.replica_world_size
+    return True

@@ -44,6 +44,29 @@ def unreachable(group: int, groups: int, address: str, exc: BaseException) -> Re
         "(--lighthouse HOST:PORT).")
 
 
+def changes(group: int, previous: frozenset[int], members: frozenset[int], step: int,
+            failure: str | None, left_at: dict[int, int], finished: set[int],
+            per_step: int | None) -> list[str]:
+    """The lines of a quorum whose members changed, said by the lowest group that stayed
+    (none for the others); ``left_at`` (the step each absent group left at) and ``finished``
+    (the groups that said they finished: they did not fail) are updated in place."""
+    left, joined = sorted(previous - members), sorted(members - previous)
+    if group != min(members & previous, default=group):
+        left = joined = []
+    lines = []
+    for each in left:
+        left_at.setdefault(each, step)
+    failed = [g for g in left if g not in finished]
+    if failed:
+        lines.append(_left(failed, step, failure or "it stopped answering the lighthouse",
+                           len(members)))
+    if joined:
+        away = [step - left_at.pop(g) for g in joined if g in left_at]
+        lines.append(_joined(joined, step, len(members), max(away, default=0), per_step))
+    finished -= set(left)
+    return lines
+
+
 def missing(groups: list[int], members: int, address: str) -> str:
     """Groups that did not arrive for the job's first quorum."""
     return (f"replica group{'s' * (len(groups) > 1)} {_listed(groups)} did not reach the "
@@ -52,7 +75,7 @@ def missing(groups: list[int], members: int, address: str) -> str:
             "it arrives.")
 
 
-def left(groups: list[int], step: int, why: str, members: int) -> str:
+def _left(groups: list[int], step: int, why: str, members: int) -> str:
     """Groups that left the quorum at ``step``, and why (said of one: "it ...")."""
     if len(groups) > 1 and why.startswith("it "):
         why = "they " + why[3:]
@@ -60,7 +83,7 @@ def left(groups: list[int], step: int, why: str, members: int) -> str:
             f"({why}); {_go_on(members)}.")
 
 
-def joined(groups: list[int], step: int, members: int, away: int = 0,
+def _joined(groups: list[int], step: int, members: int, away: int = 0,
            per_step: int | None = None) -> str:
     """Groups back in the quorum at ``step``; ``away``: the steps taken without them (their
     share of each was not trained), ``per_step``: the samples one group trains in a step."""
@@ -120,6 +143,15 @@ def dropped(group: int, step: int, now: int, members: int) -> str:
     return (f"replica group {group} was left out of the job after step {step}: it did not ask "
             "the lighthouse for a quorum within its heartbeat timeout (it was stopped, paused or "
             f"slowed down) and the others went on without it; {rest}.")
+
+
+def lapsed(group: int) -> str:
+    """A group left out while its own step ran (its quorum formed beside the step): it restarts
+    and heals like a group that died, before its first batch."""
+    return (f"replica group {group} was left out of the job while its step ran (its heartbeat to "
+            "the lighthouse lapsed: the machine was overloaded or paused); its step cannot be "
+            "mixed with the others', so it stops here, and its launcher restarts it to heal from "
+            "a peer (--max-restarts).")
 
 
 def healed(group: int, source: int, step: int, seconds: float) -> str:
