@@ -139,3 +139,18 @@ def test_a_group_killed_under_diloco_heals_its_step_counts_and_outer_state(
         assert same == (s["step"] % H == 0), (s["step"], first)  # apart between syncs
         syncs += s["step"] % H == 0
     assert syncs >= 3, steps
+    # the event lines count steps (state().step), not synchronisations: it died in the sync
+    # after step 6 (the second) and healed where its first step began; the left and joined
+    # lines come only where its restart outlasted the lighthouse's 2 s heartbeat
+    lines = [line for line in text.splitlines() if line.startswith("accel-ctx: replica group")]
+    assert any(line.startswith(f"accel-ctx: replica group 1 healed from replica group 0 at step "
+                               f"{first - 1} in ") for line in lines), lines
+    for line in lines:
+        if " left at step " in line:
+            assert line.startswith("accel-ctx: replica group 1 left at step 6 (its part of "
+                                   "local_sgd()'s synchronisation 2 failed"), lines
+        if " joined at step " in line:
+            assert line.startswith(f"accel-ctx: replica group 1 joined at step {first - 1}; 2 "
+                                   f"groups train. Its share of the {first - 7} steps taken "
+                                   f"without it was not trained ({(first - 7) * 4} samples)."), (
+                lines)
