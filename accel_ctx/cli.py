@@ -83,6 +83,8 @@ def launch_main(argv: Sequence[str]) -> int:
         return fail("launch", exc)
     if plan.network.warning:
         print(f"accel-ctx launch: warning: {plan.network.warning}", file=sys.stderr)
+    if "replica_timeout" in plan.settings:  # this launcher, its groups' and their workers
+        os.environ[_env.REPLICA_TIMEOUT_VAR] = str(plan.settings["replica_timeout"])
     if _replica_groups.wanted(plan.settings, os.environ):  # a lighthouse, a launcher per group
         return _replica_groups.run(argv, int(plan.settings["replica_groups"]), os.environ, fail,
                                    plan.settings.get("lighthouse_bind"))

@@ -60,7 +60,9 @@ def group_env(settings: Mapping[str, object]) -> dict[str, str]:
     """The variables of one group's workers under ``--lighthouse HOST:PORT --replica-group I``
     (none without ``--lighthouse``); a ConfigurationError for a group that cannot be."""
     group, groups = settings.get("replica_group"), int(str(settings.get("replica_groups", 1)))
-    if "lighthouse" in settings or groups > 1:  # a bad one is named before anything starts
+    if ("lighthouse" in settings or groups > 1) and "replica_timeout" not in settings:
+        # a bad ACCEL_CTX_REPLICA_TIMEOUT is named before anything starts (--replica-timeout
+        # or the config file's replica_timeout replaces it)
         _env.replica_timeout()
     if "lighthouse" not in settings:
         if group is not None:

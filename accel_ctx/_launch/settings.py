@@ -136,6 +136,17 @@ def _bind(value: object) -> Value | None:
     return value
 
 
+def _seconds(value: object) -> Value | None:
+    """A positive, finite number of seconds, written as a string (``"60"``, ``"2.5"``)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value) if isinstance(value, int | float | str) else None
+    except ValueError:
+        return None
+    return f"{seconds:g}" if seconds is not None and 0 < seconds < float("inf") else None
+
+
 def _policy(value: object) -> Value | None:
     return canonical(value) if isinstance(value, str) else None
 
@@ -232,6 +243,17 @@ SETTINGS: tuple[Setting, ...] = (
         question="Address the replica groups' lighthouse listens on",
         convert=_bind, fix="give an IP address of this machine, e.g. 127.0.0.1, 0.0.0.0 or [::]",
         example="0.0.0.0", asked=False,
+    ),
+    Setting(
+        "replica_timeout", ("--replica-timeout",), "SEC",
+        meaning="seconds a replica group waits for the lighthouse, a quorum or a peer",
+        help="how long a replica group waits for the lighthouse (before its workers start "
+        "too), for the first quorum's other groups, a quorum, a cross-group collective or a "
+        "state transfer (default 30; ACCEL_CTX_REPLICA_TIMEOUT where neither the flag nor a "
+        "config file gives it): more where groups start minutes apart, as on a busy scheduler.",
+        question="Seconds a replica group waits for the lighthouse, a quorum or a peer",
+        convert=_seconds, fix="give a positive number of seconds, e.g. 60",
+        example="60", asked=False,
     ),
     Setting(
         "replica_group", ("--replica-group",), "I",

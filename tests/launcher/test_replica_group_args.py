@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import sys
@@ -127,6 +128,25 @@ def test_the_replica_timeout_comes_from_the_environment_and_a_bad_one_is_named(
     monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", "soon")  # the groups of one machine too
     assert main(["launch", "--replica-groups", "2", __file__]) == 2
     assert "ACCEL_CTX_REPLICA_TIMEOUT='soon'" in capsys.readouterr().err
+
+
+def test_the_replica_timeout_is_a_flag_and_a_config_key_for_the_launcher_and_its_workers(
+        tmp_path, capsys, monkeypatch):
+    port = _closed_port()
+    monkeypatch.setenv("XDG_CONFIG_HOME", "/nonexistent")
+    monkeypatch.setenv("ACCEL_CTX_REPLICA_TIMEOUT", "soon")  # the flag replaces it: not named
+    began = time.monotonic()
+    assert main(["launch", "--lighthouse", f"127.0.0.1:{port}", "--replica-group", "0",
+                 "--replica-timeout", "1.5", __file__]) == 1
+    assert f"lighthouse at http://127.0.0.1:{port} within 1.5 s" in capsys.readouterr().err
+    assert time.monotonic() - began < 20  # waited 1.5 s for it, not the default 30
+    assert os.environ["ACCEL_CTX_REPLICA_TIMEOUT"] == "1.5"  # what its groups' workers read
+    _config.write(tmp_path / "job.toml", {"replica_timeout": 90})
+    p = make(["--config", str(tmp_path / "job.toml"), "--replica-groups", "2", "t.py"])
+    assert p.settings["replica_timeout"] == "90"
+    for bad in ("0", "-2", "inf", "soon"):
+        with pytest.raises(ConfigurationError, match="give a positive number of seconds"):
+            make(["--replica-timeout", bad, "t.py"])
 
 
 def test_lighthouse_refuses_a_taken_port_bad_numbers_and_a_missing_torchft(capsys, monkeypatch):
