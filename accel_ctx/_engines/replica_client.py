@@ -23,6 +23,7 @@ from torch import nn
 
 from .._job.env import replica_marks
 from .._job.job import Job
+from .._job.orphan import end_with_parent
 from ..errors import ConfigurationError, RendezvousError
 from . import replica_events as _events
 from . import replica_quiet as _quiet
@@ -159,6 +160,8 @@ def open_manager(torchft: Any, job: Job, group: int, address: str, healing: Heal
                  timeout: timedelta, unreachable: Callable[[BaseException], Exception]) -> Any:
     """This rank's torchft Manager of replica group ``group``, at the lighthouse ``address``;
     ``unreachable(exc)``: the error to raise where the lighthouse is not there."""
+    # a worker whose group launcher is SIGKILLed ends (SIGTERM): its group was reported gone
+    end_with_parent()
     pg = torchft.ProcessGroupGloo(timeout=timeout)
 
     def make() -> Any:

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from accel_ctx._launch import signals
+
 from .. import _launcher, _timeouts
 
 pytest.importorskip("torchft", reason="replica groups need torchft (pip install 'accel-ctx[ft]')")
@@ -109,6 +111,33 @@ def test_a_killed_all_in_one_launcher_leaves_nothing_and_its_lighthouse_was_on_l
     # the lighthouse listened on loopback only: 127.0.0.1 (0100007F in /proc/net/tcp), not on
     # every interface (00000000, or :: in tcp6), and its groups dialled that address
     assert (host, listening) == ("127.0.0.1", ["0100007F"]), log.read_text()
+
+
+def _group_of(pid: int) -> str | None:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    found = [v for v in environ if v.startswith(b"REPLICA_GROUP_ID=")]
+    return found[0].split(b"=", 1)[1].decode() if found else None
+
+
+def test_a_group_launcher_killed_by_sigkill_takes_its_workers_with_it(tmp_path: Path) -> None:
+    # torchrun's agent, SIGKILLed, tells its workers nothing: they trained on as orphans in the
+    # other groups' quorums after their group was reported gone
+    proc, log = _all_in_one(tmp_path)
+    launchers = [p for p in signals.children_of(proc.pid) if _group_of(p) is not None]
+    group1 = next(p for p in launchers if _group_of(p) == "1")
+    workers = [p for p in _of_the_job(str(tmp_path))
+               if _group_of(p) == "1" and p != group1 and p not in launchers]
+    assert workers, log.read_text()
+    os.kill(group1, signal.SIGKILL)
+    _wait_for("the end of the killed group's workers",
+              lambda: not any(_launcher.alive(p) for p in workers), 30, [log])
+    _wait_for("the launcher's line", lambda: "replica group 1 ended" in log.read_text(), 30,
+              [log])
+    proc.send_signal(signal.SIGTERM)  # group 0 trains on until it is stopped
+    _launcher.finish(proc, 90)
 
 
 def test_sigterm_to_the_all_in_one_launcher_ends_every_group_cleanly(tmp_path: Path) -> None:
