@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from .._engines.fault_tolerant import ReplicaGroupRuntime
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import Session
@@ -341,7 +340,7 @@ class ResumeRuntime(Concern):
 
     def save(self, why: str = "", wait: bool = False) -> Path | None:
         """Save every object met or tracked, in the background (``wait``: until published)."""
-        if (r := self.stack and self.stack.find(ReplicaGroupRuntime)) and not r.writes_checkpoints():
+        if self.stack and not all(c.writes_checkpoints() for c in self.stack.concerns):
             return None  # one healthy replica group writes the job's checkpoints
         return self.saver.save(self.objects(), self.session.step, why, wait, self.group)
 

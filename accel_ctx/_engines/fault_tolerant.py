@@ -201,9 +201,8 @@ class ReplicaGroupRuntime(Concern):
             pass
         return False
 
-    def writes_checkpoints(self) -> bool:
-        """Whether this group writes resumable()'s checkpoints: the quorum's lowest (one healthy
-        group writes the job's folder; a job that lost every group resumes from it)."""
+    @override
+    def writes_checkpoints(self) -> bool:  # the quorum's lowest group: one writes the folder
         return not self._members or self.group == min(self._members)
 
     # ---- meeting objects ---------------------------------------------------------------------------
@@ -330,6 +329,7 @@ class ReplicaGroupRuntime(Concern):
         vote); the groups meet only in :meth:`average_over_groups`."""
         return stack is not None and "local_sgd" in stack.slots
 
+    @override
     def average_over_groups(self, tensors: list[torch.Tensor]) -> bool:
         """``local_sgd()``'s sync: ``tensors`` averaged in place over the groups in the quorum
         (formed at the period's first batch, or here), then the commit vote. False: a group

@@ -256,6 +256,18 @@ class Concern:
         """Lay out the models and optimizers about to be loaded as training will use them
         (moved to the device, or sharded: each rank then reads only its own part)."""
 
+    # ---- capabilities: what one concern asks the others, never by their class ----------------
+    def writes_checkpoints(self) -> bool:
+        """Whether this process writes ``resumable()``'s checkpoints (False: another process
+        writes the job's, e.g. the lowest replica group's); every concern must agree."""
+        return True
+
+    def average_over_groups(self, tensors: list[torch.Tensor]) -> bool | None:
+        """Average ``tensors`` in place over the job's replica groups (a ``local_sgd()`` sync):
+        True, or False where the groups' sync failed (``tensors`` then hold nothing meaningful);
+        None: this concern joins no groups."""
+        return None
+
     def resume_group(self, grads_kept: bool, put_back: Callable[[], None]) -> None:
         """After a restore: continue the group a checkpoint saved mid-way (``put_back()`` gives
         back its partial gradients; ``grads_kept`` says whether they can be), or start afresh."""

@@ -19,9 +19,9 @@ Each optimizer counts its own steps and synchronises its own parameters (the ref
 
 Across replica groups (``accel-ctx launch --replica-groups R``) the steps are local too: while
 the scope is open the group's runtime takes no quorum, gradient average or vote per step
-(:meth:`ReplicaGroupRuntime.steps_locally`). A synchronisation averages within the group, then
-over the groups in the quorum (:meth:`ReplicaGroupRuntime.average_over_groups`), and is applied
-only when the groups commit it; a failed one leaves every group's weights as they were.
+(it sees this scope open). A synchronisation averages within the group, then over the groups
+in the quorum (asked of the concerns by capability: ``Concern.average_over_groups``), and is
+applied only when the groups commit it; a failed one leaves every group's weights as they were.
 """
 
 from __future__ import annotations
@@ -37,12 +37,11 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from .._engines.buckets import reduce_in_buckets
-from .._engines.fault_tolerant import ReplicaGroupRuntime
 from .._group import blame as _blame
 from .._hooks.scope import Scope
 from .._job.job import Job
 from .._kernel import state as _state
-from .._kernel.concern import ForwardCall
+from .._kernel.concern import Concern, ForwardCall
 from .._kernel.session import OptimizerRecord, Session
 from .._options import checked
 from ..errors import ConfigurationError
@@ -166,11 +165,13 @@ class LocalSGDRuntime(_PausesEngines):
         stack = _state.current()
         job = stack.job if stack is not None else None
         self._check(period, job, final)
-        replicas = stack.find(ReplicaGroupRuntime) if stack is not None else None
+        # the concerns that join replica groups (by capability: their engine is not ours)
+        replicas = [c for c in stack.concerns if c.overrides("average_over_groups")] if (
+            stack is not None) else []
         params = period.params()
         if period.shared is None:  # plain Local SGD: the average of every rank's parameters
             # across replica groups a failed sync leaves the parameters as they are: a copy
-            mean = params if replicas is None else [
+            mean = params if not replicas else [
                 p.detach().to(torch.float32, copy=True) for p in params]
             if _average_all(job, mean, replicas) and mean is not params:
                 for p, m in zip(params, mean, strict=True):
@@ -246,12 +247,12 @@ def _outside_scopes(fn: Callable[[list[torch.Tensor]], Any], params: list[torch.
 
 
 def _average_all(job: Job | None, tensors: list[torch.Tensor],
-                 replicas: ReplicaGroupRuntime | None) -> bool:
+                 replicas: list[Concern]) -> bool:
     """Average ``tensors`` in place over the job's ranks, then over the replica groups (the
     same rank of each group holds its group's average); False: the groups' sync failed."""
     if job is not None and job.world_size > 1:
         _average(job, tensors)
-    return replicas is None or replicas.average_over_groups(tensors)
+    return all(c.average_over_groups(tensors) is not False for c in replicas)
 
 
 def _average(job: Job, tensors: list[torch.Tensor]) -> None:
