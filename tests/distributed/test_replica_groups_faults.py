@@ -159,3 +159,28 @@ def test_the_group_writing_checkpoints_frozen_in_a_save_leaves_none_half_written
     assert folders[-1].name.endswith(f"-step{last}"), (folders, last)
     assert frozen["step"] == other["step"] and frozen["weights"].keys() == other["weights"].keys()
     assert all(torch.equal(frozen["weights"][k], other["weights"][k]) for k in frozen["weights"])
+
+
+def test_a_group_that_wakes_after_the_others_finished_says_so_under_its_own_name(
+        tmp_path: Path) -> None:
+    # group 0's loop ends at step 12 while group 1 is frozen (10 s after step 8): woken, group 1
+    # is the one that was left out, and nobody is left to heal from (its line used to come
+    # under the other group's name)
+    proc, log = _launcher.start(
+        ["-n", "1", "--replica-groups", "2", "--max-restarts", "2", SCRIPT, str(tmp_path), "14",
+         "2", "freeze:1:8:10", "end:0:12"], tmp_path, "launch.log", fork_replica_workers=True)
+    code = _launcher.finish(proc, 300)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    finished, woken = _runs(tmp_path, 2)
+    assert (finished["restart"], woken["restart"], finished["step"]) == (0, 0, 12), text[-3000:]
+    assert _said(text) == [
+        "accel-ctx: replica group 1 left at step 8 (it stopped answering the lighthouse); 1 "
+        "group goes on.",
+        "accel-ctx: replica group 1 was left out of the job after step 8: it did not ask the "
+        "lighthouse for a quorum within its heartbeat timeout (it was stopped, paused or slowed "
+        "down) and the others went on without it; no other group is left: it trains on alone "
+        "from its own state."], text[-3000:]
+    # alone, from its own state: its steps go on from 9, in one group
+    assert [(r["step"], r["groups"]) for r in woken["seen"][8:]] == [
+        (s, 1) for s in range(9, 15)], text[-3000:]
