@@ -39,6 +39,7 @@ from typing_extensions import override
 
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
+from .._kernel.order import ORDER
 from .._kernel.session import Session
 from ..errors import CheckpointError
 from . import match, saver
@@ -52,7 +53,7 @@ log = logging.getLogger("accel_ctx.checkpoint")
 class ResumeRuntime(Concern):
     """One entry of ``resumable()``."""
 
-    slot, order = "resume", 5  # after the engine adopted a model, before accumulation
+    slot, order = "resume", ORDER["resume"]
 
     def __init__(self, folder: Path, every_steps: int | None, every_minutes: float | None,
                  keep_last: int) -> None:

@@ -33,6 +33,7 @@ from typing_extensions import override
 from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
+from .._kernel.order import ORDER
 from .._kernel.session import OptimizerRecord, Session
 from ..errors import ConfigurationError, RendezvousError
 from . import replica_check as _check
@@ -46,8 +47,7 @@ from .replica_client import Healing, mark_joined
 class ReplicaGroupRuntime(Concern):
     """One replica group's side of the job: its Manager, and the hooks that step through it."""
 
-    # after accumulate (10) and local_sgd (40): it sees only the steps that are taken
-    slot, order = "replica_groups", 50
+    slot, order = "replica_groups", ORDER["replica_groups"]
 
     def __init__(self, job: Job, exits: ExitStack, healing: Healing) -> None:
         torchft = _ft.torchft_module()

@@ -105,7 +105,7 @@ class Concern:
     slot: ClassVar[str]
     """Which concern this is; the innermost runtime of a slot wins."""
     order: ClassVar[int]
-    """Where it runs among the open concerns (lower first)."""
+    """Where it runs among the open concerns (lower first): ``_kernel.order.ORDER[slot]``."""
     job: Job | None = None
     """The job a distributed concern formed (the stack publishes the innermost one)."""
     is_default = False

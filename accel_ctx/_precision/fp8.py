@@ -36,6 +36,7 @@ from typing_extensions import override
 
 from .._kernel import state as _state
 from .._kernel.concern import ForwardCall
+from .._kernel.order import ORDER
 from .._kernel.session import Session
 from .._warn import warn_user
 from ..errors import ArgumentError, ConfigurationError
@@ -159,8 +160,7 @@ class Fp8Runtime(PrecisionRuntime):
     """The live side of a ``mixed_precision("fp8")`` entry: bf16 autocast, and each model's
     Linear layers converted to torchao's ``Float8Linear`` at its first call."""
 
-    # before the engine (distributed 0): the model is converted before DDP or FSDP2 wraps it
-    order = -10
+    order = ORDER["fp8"]
 
     def __init__(self, policy: PrecisionPolicy, device_type: str | None,
                  options: Fp8Options | None = None) -> None:

@@ -28,6 +28,7 @@ from typing_extensions import override
 from .._job import env as _env
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall, Grads
+from .._kernel.order import ORDER
 from .._kernel.session import Session
 from .._kernel.tree import cast_floating
 from .._warn import warn_user
@@ -151,7 +152,7 @@ class _AutocastPaused:
 class PrecisionRuntime(Concern):
     """The live side of one ``mixed_precision()`` entry: autocast, fp16 loss scaling, counters."""
 
-    slot, order = "precision", 30
+    slot, order = "precision", ORDER["precision"]
 
     def __init__(self, policy: PrecisionPolicy, device_type: str | None) -> None:
         self.policy = policy

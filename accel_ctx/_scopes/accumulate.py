@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from .._hooks.scope import Scope
 from .._kernel.concern import Concern, ForwardCall, Params
+from .._kernel.order import ORDER
 from .._kernel.session import OptimizerRecord, Session
 from .._options import checked
 from .._warn import warn_user
@@ -57,7 +58,7 @@ class _PausesEngines(Concern):
 class AccumulateRuntime(_PausesEngines):
     """Counters of one ``accumulate(k)`` entry."""
 
-    slot, order = "accumulate", 10
+    slot, order = "accumulate", ORDER["accumulate"]
 
     def __init__(self, steps: int) -> None:
         super().__init__()
@@ -226,7 +227,7 @@ class accumulate(Scope):
 class NoSyncRuntime(_PausesEngines):
     """Forwards inside skip DDP's gradient all-reduce."""
 
-    slot, order = "sync", 20
+    slot, order = "sync", ORDER["sync"]
 
     @override
     def _vote(self, call: ForwardCall, session: Session) -> bool:

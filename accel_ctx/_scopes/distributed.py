@@ -53,6 +53,7 @@ from .._job.progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD,
 from .._job.tp_plan import TensorPlan
 from .._kernel import state as _state
 from .._kernel.concern import NOT_FAST, Concern, Engine, FastForward, ForwardCall, Params
+from .._kernel.order import ORDER
 from .._kernel.session import Session
 from .._options import checked
 from ..errors import ConfigurationError
@@ -174,7 +175,7 @@ def _check_comm_hook(plan: _fsdp.ShardingPlan | None, *options: DistributedOptio
 class DistributedRuntime(Concern):
     """The live side of one ``distributed()`` entry: its job, and the hooks that use it."""
 
-    slot, order = "distributed", 0
+    slot, order = "distributed", ORDER["distributed"]
     job: Job
 
     def __init__(self, job: Job, plan: _fsdp.ShardingPlan | None = None,

@@ -42,6 +42,7 @@ from .._hooks.scope import Scope
 from .._job.job import Job
 from .._kernel import state as _state
 from .._kernel.concern import Concern, ForwardCall
+from .._kernel.order import ORDER
 from .._kernel.session import OptimizerRecord, Session
 from .._options import checked
 from ..errors import ConfigurationError
@@ -76,7 +77,7 @@ class _Period:
 class LocalSGDRuntime(_PausesEngines):
     """The steps and global copies of one ``local_sgd()`` entry."""
 
-    slot, order = "local_sgd", 40  # after accumulate(): it sees only the steps a group lets by
+    slot, order = "local_sgd", ORDER["local_sgd"]
 
     def __init__(self, every: int, outer: OuterOptimizer | None) -> None:
         super().__init__()
