@@ -34,9 +34,12 @@ def train() -> None:
         taken += 1
         s = state()
         progress = os.path.join(out, f"progress{s.replica_group}-{s.rank}")
-        with open(progress + ".tmp", "w") as f:
+        # outside distributed() every group reads itself as group 0: two writers of one file,
+        # each with a temporary of its own
+        temporary = f"{progress}.{os.getpid()}.tmp"
+        with open(temporary, "w") as f:
             f.write(str(s.step if mode == "distributed" else taken))
-        os.replace(progress + ".tmp", progress)
+        os.replace(temporary, progress)
         time.sleep(0.1)
 
 
