@@ -61,8 +61,8 @@ class ReplicaGroupRuntime(Concern):
         self._asked: tuple[frozenset[int], int, int] | None = None  # an overlapped one, unsettled
         self._settled = 0.0  # when the last quorum came (time.monotonic())
         self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
-        self._members: frozenset[int] = frozenset()  # the check runs at each new quorum id (module docstring), not at this group's own view
-        self._quorum_id = self._checked_quorum = -1
+        self._members: frozenset[int] = frozenset()
+        self._quorum_id = self._checked_quorum = -1  # checked at each new quorum id (docstring)
         self._failure: str | None = None  # why the last step was not committed
         self._finished: set[int] = set()  # groups that said they finished (they did not fail)
         self._refused: set[int] = set()  # groups refused at a quorum (not waited for)

@@ -19,9 +19,9 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 def end_with_parent(signum: int = signal.SIGTERM) -> bool:
     """Ask for ``signum`` when this process's parent dies (Linux's ``PR_SET_PDEATHSIG``, sent
     even when the parent is SIGKILLed); False where it cannot be asked (another system, no
-    prctl). A parent already gone (this process is an orphan) sends it now.
+    prctl). A parent that dies while this asks sends it at once; one that died before this
+    process could ask is not seen.
 
-    >>> import signal
     >>> end_with_parent(0)  # 0: asks for nothing, undoes an earlier request
     True
     """

@@ -27,6 +27,31 @@ def _committed(run: dict[str, Any]) -> dict[int, dict[str, Any]]:
     return {record["step"]: record for record in run["seen"]}
 
 
+def _launch(tmp_path: Path, *faults: str, steps: int = 30) -> str:
+    """Two groups of one process under ``faults`` (the script's); the launcher's output, after
+    checking that it ended 0 and that no collective was mismatched."""
+    proc, log = _launcher.start(
+        ["-n", "1", "--replica-groups", "2", "--max-restarts", "2", SCRIPT, str(tmp_path),
+         str(steps), "2", *faults], tmp_path, "launch.log", fork_replica_workers=True)
+    code = _launcher.finish(proc, 300)
+    text = log.read_text(errors="replace")
+    assert code == 0, text[-3000:]
+    assert "mismatch" not in text and "EnforceNotMet" not in text, text[-3000:]
+    return text
+
+
+def _in_order(run: dict[str, Any]) -> list[int]:
+    """The steps the run recorded: every step from 1 on, in order (a dropped step is taken
+    again, so it may be recorded twice), none skipped."""
+    steps = [r["step"] for r in run["seen"]]
+    assert steps == sorted(steps) and set(steps) >= set(range(steps[0], steps[-1] + 1)), steps
+    return steps
+
+
+def _said(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("accel-ctx: ")]
+
+
 def test_a_frozen_group_is_dropped_rejoins_and_heals_and_one_that_finishes_says_so(
         tmp_path: Path) -> None:
     # Group 1 stops itself (SIGSTOP) for 5 s after step 4, past the lighthouse's 2 s heartbeat:
@@ -35,13 +60,7 @@ def test_a_frozen_group_is_dropped_rejoins_and_heals_and_one_that_finishes_says_
     # send its gradients into it: gloo's "collective mismatch" aborted the *healthy* group,
     # which restarted. Then group 1's loop ends at step 24 (its own bound) while group 0 goes
     # on to 30: group 0 used to report it as a failure ("stopped answering the lighthouse").
-    proc, log = _launcher.start(
-        ["-n", "1", "--replica-groups", "2", "--max-restarts", "2", SCRIPT, str(tmp_path), "30",
-         "2", "freeze:1:4:5", "end:1:24"], tmp_path, "launch.log", fork_replica_workers=True)
-    code = _launcher.finish(proc, 300)
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-3000:]
-    assert "mismatch" not in text and "EnforceNotMet" not in text, text[-3000:]
+    text = _launch(tmp_path, "freeze:1:4:5", "end:1:24")
     healthy, woken = _runs(tmp_path, 2)
     # neither restarted: the healthy group's one worker trained every step, in order, to 30
     assert (healthy["restart"], woken["restart"]) == (0, 0), text[-3000:]
@@ -50,7 +69,7 @@ def test_a_frozen_group_is_dropped_rejoins_and_heals_and_one_that_finishes_says_
     # the woken group was left out after step 4 and came back at the live step, healed
     back = woken["seen"][4]["step"]
     assert [r["step"] for r in woken["seen"][:4]] == [1, 2, 3, 4] and back > 5, text[-3000:]
-    lines = [line for line in text.splitlines() if line.startswith("accel-ctx: ")]
+    lines = _said(text)
     said = [
         "accel-ctx: replica group 1 left at step 4 (it stopped answering the lighthouse); 1 "
         "group goes on.",
@@ -76,29 +95,6 @@ def test_a_frozen_group_is_dropped_rejoins_and_heals_and_one_that_finishes_says_
         assert not set(mine[step]["samples"]) & set(theirs[step]["samples"]), step
     assert [r["groups"] for r in healthy["seen"] if r["step"] > 24] == [1] * 6, text[-3000:]
     assert woken["entry"]["step"] == 0  # state() at the scope's entry: before any quorum
-
-
-def _launch(tmp_path: Path, *faults: str) -> str:
-    proc, log = _launcher.start(
-        ["-n", "1", "--replica-groups", "2", "--max-restarts", "2", SCRIPT, str(tmp_path), "30",
-         "2", *faults], tmp_path, "launch.log", fork_replica_workers=True)
-    code = _launcher.finish(proc, 300)
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-3000:]
-    assert "mismatch" not in text and "EnforceNotMet" not in text, text[-3000:]
-    return text
-
-
-def _in_order(run: dict[str, Any]) -> list[int]:
-    """The steps the run recorded: every step from 1 on, in order (a dropped step is taken
-    again, so it may be recorded twice), none skipped."""
-    steps = [r["step"] for r in run["seen"]]
-    assert steps == sorted(steps) and set(steps) >= set(range(steps[0], steps[-1] + 1)), steps
-    return steps
-
-
-def _said(text: str) -> list[str]:
-    return [line for line in text.splitlines() if line.startswith("accel-ctx: ")]
 
 
 def test_a_group_frozen_for_20_s_is_dropped_and_heals_when_it_wakes_its_peer_never_stops(
@@ -164,14 +160,9 @@ def test_the_group_writing_checkpoints_frozen_in_a_save_leaves_none_half_written
 def test_a_group_that_wakes_after_the_others_finished_says_so_under_its_own_name(
         tmp_path: Path) -> None:
     # group 0's loop ends at step 12 while group 1 is frozen (10 s after step 8): woken, group 1
-    # is the one that was left out, and nobody is left to heal from (its line used to come
+    # is the one that was left out, and nobody is left to heal from (the issue saw its line
     # under the other group's name)
-    proc, log = _launcher.start(
-        ["-n", "1", "--replica-groups", "2", "--max-restarts", "2", SCRIPT, str(tmp_path), "14",
-         "2", "freeze:1:8:10", "end:0:12"], tmp_path, "launch.log", fork_replica_workers=True)
-    code = _launcher.finish(proc, 300)
-    text = log.read_text(errors="replace")
-    assert code == 0, text[-3000:]
+    text = _launch(tmp_path, "freeze:1:8:10", "end:0:12", steps=14)
     finished, woken = _runs(tmp_path, 2)
     assert (finished["restart"], woken["restart"], finished["step"]) == (0, 0, 12), text[-3000:]
     assert _said(text) == [
