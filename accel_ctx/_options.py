@@ -128,6 +128,22 @@ def positive(call: str, name: str, value: object, fix: str = "", zero: bool = Fa
     return number
 
 
+def positive_seconds(value: object) -> float | None:
+    """``value`` (a number, or a string of one: a flag's, an environment variable's) as a
+    positive, finite number of seconds; None for anything else (a bool is no number).
+
+    >>> [positive_seconds(v) for v in ("2.5", 60, 0, "inf", "soon", True)]
+    [2.5, 60.0, None, None, None, None]
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
 def file_path(call: str, name: str, value: object) -> str | os.PathLike[str]:
     """``value`` if it names a file or folder (a str or a path object)."""
     if isinstance(value, (str, os.PathLike)) and os.fspath(value):

@@ -5,12 +5,12 @@ Only reads ``os.environ`` (or a mapping given for tests); never writes it.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from .._options import positive_seconds
 from ..errors import LaunchEnvironmentError
 from .coordinates import SINGLE, Coordinates
 
@@ -38,13 +38,11 @@ def seconds_from(name: str, purpose: str, error: type[Exception] = LaunchEnviron
     text = (os.environ if env is None else env).get(name, "")
     if not text:
         return None
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = math.nan
-    if not math.isfinite(seconds) or seconds <= 0:
+    seconds = positive_seconds(text)
+    if seconds is None:
         raise error(f"{name}={text!r}: give a positive number of seconds {purpose}.")
     return seconds
+
 
 
 def replica_timeout(env: Mapping[str, str] | None = None) -> float:

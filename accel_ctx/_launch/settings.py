@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._job import env as _env
+from .._options import positive_seconds
 from .._precision.names import POLICIES, canonical
 from ..errors import ConfigurationError
 from .nproc import MAX_NPROC_VAR
@@ -138,13 +139,8 @@ def _bind(value: object) -> Value | None:
 
 def _seconds(value: object) -> Value | None:
     """A positive, finite number of seconds, written as a string (``"60"``, ``"2.5"``)."""
-    if isinstance(value, bool):
-        return None
-    try:
-        seconds = float(value) if isinstance(value, int | float | str) else None
-    except ValueError:
-        return None
-    return f"{seconds:g}" if seconds is not None and 0 < seconds < float("inf") else None
+    seconds = positive_seconds(value)
+    return f"{seconds:g}" if seconds is not None else None
 
 
 def _policy(value: object) -> Value | None:
