@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .._group.blame import collective
+from .._kernel import state as _state
 from .._options import checked, file_path
 from .._warn import warn_user
 from ..errors import ConfigurationError
@@ -73,8 +74,10 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
                 f"save_model: the safetensors package is not installed; writing a torch.save "
                 f"state dict to {target} instead (pip install safetensors for {path}).")
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    with objs.as_stock_torch():
-        state_dict = get_model_state_dict(model, options=options)  # collective when sharded
+    state_dict = _engine_state(model)  # ZeRO-3: gathered by DeepSpeed
+    if state_dict is None:
+        with objs.as_stock_torch():
+            state_dict = get_model_state_dict(model, options=options)  # collective when sharded
     error: BaseException | None = None
     if objs.rank_world()[0] == 0:
         try:
@@ -83,6 +86,16 @@ def save_model(model: nn.Module, path: str | os.PathLike[str]) -> Path:
             error = explain(exc, target.parent, str(target), model_file=True)
     objs.agree(error, f"write {target}")
     return target
+
+
+def _engine_state(model: nn.Module) -> dict[str, Any] | None:
+    """The full state dict an engine gathers itself (DeepSpeed's ZeRO-3), or None."""
+    stack = _state.current()
+    for concern in stack.concerns if stack is not None else ():
+        found = concern.full_model_state(model)
+        if found is not None:
+            return found
+    return None
 
 
 def _write(target: Path, state_dict: dict[str, Any], use_safetensors: bool) -> None:

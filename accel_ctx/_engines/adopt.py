@@ -43,6 +43,18 @@ def adopt(job: Job, module: nn.Module, move: bool = True) -> _records.ModuleReco
     return root
 
 
+def root_record(job: Job, module: nn.Module, move: bool = True) -> _records.ModuleRecord | None:
+    """``module``'s adoption record as a model an engine lays out (adopted now if it was not),
+    or None where it is none: the user's own engine (their DDP, a composable API) or a part of
+    an adopted model (the engine's hooks on the whole cover it)."""
+    record = _records.module_record(module)
+    if record is None or record.owner is not job.root:
+        if isinstance(module, nn.parallel.DistributedDataParallel) or managed_elsewhere(module):
+            return None
+        record = adopt(job, module, move=move)
+    return record if record.root else None
+
+
 def move_to_device(job: Job, module: nn.Module) -> None:
     """Move ``module`` to the job's device, unless the user placed it (or it is on meta)."""
     if job.device.type == "cpu":

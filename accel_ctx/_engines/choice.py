@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import torch
@@ -20,14 +21,20 @@ from typing_extensions import override
 
 from .._job.job import Job
 from .._job.tp_plan import TensorPlan
+from .._kernel.concern import Concern
 from .._kernel.session import Session
+from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import replicate as _replicate
 from . import tensor_parallel as _tensor_parallel
+from . import zero as _zero
+from .replica_client import Healing
 
-Built = nn.parallel.DistributedDataParallel | _fsdp.ShardedEngine | None
+Built = nn.parallel.DistributedDataParallel | _fsdp.ShardedEngine | _zero.ZeroEngine | None
 """The engine a top-level call runs through (None: the module itself)."""
+Plan = _fsdp.ShardingPlan | _zero.ZeroPlan
+"""How ``sharded()`` lays models out: FSDP2's plan, or DeepSpeed's."""
 Prepare = Callable[[Job, nn.Module, bool, Session], tuple[nn.Module, Built]]
 
 
@@ -40,6 +47,8 @@ class EngineChoice:
     """A touch of a model before its first forward lays it out (as ``fully_shard`` would)."""
     steady_ddp: ClassVar[bool] = False
     """DDP's steady-state forward (``Concern.fast_forward``) applies."""
+    owns_step: ClassVar[bool] = False
+    """The engine takes the optimizer's steps and clips in them (``run_step``, ``clip_in_step``)."""
     prepare: Prepare
     """What to call for a top-level call of a module, and its engine (or None). The engine
     module's own function (a ``partial`` with the plan): no Python call of ours in between, as
@@ -48,6 +57,39 @@ class EngineChoice:
     def prepare_for_load(self, job: Job, objects: dict[str, Any], session: Session) -> None:
         """Lay out the models and optimizers ``load_state`` is about to fill as training will."""
         raise NotImplementedError
+
+    def run_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take ``optimizer``'s decided step in the engine (where ``owns_step``)."""
+        return False
+
+    def allows_zero_grad(self, owner: Any) -> bool:
+        """Whether ``owner.zero_grad()`` may clear its gradients (where ``owns_step``)."""
+        return True
+
+    def clip_in_step(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        """Clip in the engine's coming step (where ``owns_step``): the norm's tensor, or None."""
+        return None
+
+    def full_state_dict(self, module: nn.Module) -> dict[str, Any] | None:
+        """``module``'s full weights where DCP cannot gather them (collective), else None."""
+        return None
+
+    def before_checkpoint(self) -> None:
+        """``save_state`` is about to capture the state: refuse what the engine cannot save."""
+
+    across_groups: Callable[[], Healing] | None = None
+    """The job is one replica group: the last step of the layout averages across the groups
+    (torchft's Manager), healing a returning peer from the state this makes."""
+
+    def open(self, job: Job, exits: ExitStack) -> tuple[Concern, ...]:
+        """The runtimes this engine opens beside the scope's own, when the scope forms the job
+        (across replica groups: the Manager, whatever the engine inside the group); undone by
+        ``exits``."""
+        if self.across_groups is None:
+            return ()
+        from . import fault_tolerant  # torchft: only in a replica group
+
+        return (fault_tolerant.ReplicaGroupRuntime(job, exits, self.across_groups()),)
 
 
 class DataParallel(EngineChoice):
@@ -74,7 +116,8 @@ class DataParallel(EngineChoice):
 class ReplicaGroups(DataParallel):
     """``distributed()`` in a replica group (``accel-ctx launch --replica-groups``): DDP inside
     the group; across the groups the gradients are averaged and each step committed by torchft's
-    Manager (``_engines.fault_tolerant.ReplicaGroupRuntime``, opened beside the scope's runtime)."""
+    Manager (``_engines.fault_tolerant.ReplicaGroupRuntime``, which :meth:`open` opens beside
+    the scope's runtime, as for every engine inside a group)."""
 
     setting_up = "setting up DDP in a replica group"
 
@@ -113,13 +156,83 @@ class TensorParallel(_Splits):
         self.prepare = functools.partial(_tensor_parallel.prepare, tensor=tensor, sharding=plan)
 
 
-def choose(plan: _fsdp.ShardingPlan | None, tensor: TensorPlan | None,
-           replica_groups: bool = False) -> EngineChoice:
-    """The engine for a scope entry's models: the one place that looks at the kinds."""
-    if replica_groups and tensor is None:  # tp= inside a group: torchft's HSDP, as below
-        return ReplicaGroups() if plan is None else Sharded(plan)
+class DeepSpeedZero(EngineChoice):
+    """``sharded(engine="deepspeed")``: DeepSpeed's ZeRO engine (``_engines.zero``), built at a
+    model's first call with gradients, which then takes the loop's steps and clipping."""
+
+    setting_up = "setting up DeepSpeed"
+    owns_step = True
+
+    def __init__(self, plan: _zero.ZeroPlan) -> None:
+        self.prepare = functools.partial(_zero.prepare, plan=plan)
+
+    @override
+    def prepare_for_load(self, job: Job, objects: dict[str, Any], session: Session) -> None:
+        raise ConfigurationError(
+            "load_state under sharded(engine='deepspeed') is not supported yet: DeepSpeed keeps "
+            "the optimizer's states in its own partitions. Load the weights into the model "
+            "before the scope (model.load_state_dict), or use sharded() (FSDP2), whose "
+            "checkpoints save_state and resumable() write and load.")
+
+    @override
+    def full_state_dict(self, module: nn.Module) -> dict[str, Any] | None:
+        return _zero.full_state_dict(module)
+
+    @override
+    def before_checkpoint(self) -> None:
+        raise ConfigurationError(
+            "save_state (and resumable()) under sharded(engine='deepspeed') is not supported "
+            "yet: DeepSpeed keeps the optimizer's states in its own partitions. save_model "
+            "writes the full weights; for checkpoints that resume exactly, use sharded() (FSDP2).")
+
+    @override
+    def run_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        engine = _zero.engine_of(optimizer)
+        if engine is None:
+            return False
+        engine.step()
+        return True
+
+    @override
+    def allows_zero_grad(self, owner: Any) -> bool:
+        # DeepSpeed pointed the optimizer at its own partitions, whose gradient buffers it
+        # keeps (CPU offload) and clears itself after each step, as it does the model's
+        return not isinstance(owner, torch.optim.Optimizer) or _zero.engine_of(owner) is None
+
+    @override
+    def clip_in_step(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        built = _zero.engines()
+        if not built:
+            return None  # not built yet (one process): torch's clipping
+        if norm_type != 2.0:
+            raise ConfigurationError(
+                f"clip_grad_norm_(norm_type={norm_type}) under sharded(engine='deepspeed'): "
+                "DeepSpeed clips by the 2-norm only; drop norm_type.")
+        norm = torch.full((), float("nan"))
+        for engine in built:
+            engine.clip, engine.norm = max_norm, norm
+        return norm
+
+
+def choose(plan: Plan | None, tensor: TensorPlan | None,
+           healing: Callable[[], Healing] | None = None) -> EngineChoice:
+    """The engine for a scope entry's models: the one place that looks at the kinds.
+    ``healing``: the job is one replica group (it makes the state a returning peer gets)."""
+    if isinstance(plan, _zero.ZeroPlan):
+        if tensor is not None or healing is not None:
+            raise ConfigurationError(
+                "sharded(engine='deepspeed') trains with DeepSpeed's own data parallelism, "
+                "and " + ("tp=" if tensor is not None else "replica groups (--replica-groups)")
+                + " is not supported with it yet: use sharded() (FSDP2), which composes with "
+                "both.")
+        return DeepSpeedZero(plan)
+    # the layout inside the job (a replica group: tp= then FSDP2 inside is torchft's HSDP)...
+    chosen: EngineChoice
     if tensor is not None:
-        return TensorParallel(tensor, plan)
-    if plan is not None:
-        return Sharded(plan)
-    return DataParallel()
+        chosen = TensorParallel(tensor, plan)
+    elif plan is not None:
+        chosen = Sharded(plan)
+    else:
+        chosen = DataParallel() if healing is None else ReplicaGroups()
+    chosen.across_groups = healing  # ...then, in a replica group, across the groups
+    return chosen

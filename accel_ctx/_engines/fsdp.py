@@ -36,7 +36,6 @@ from .._kernel.session import Session
 from ..errors import ConfigurationError, DistributedError
 from . import adopt as _adopt
 from . import fsdp_meta as _meta
-from . import records as _records
 from .fsdp_dtypes import settle_dtypes
 from .join import refuse_forward
 
@@ -84,14 +83,9 @@ class ShardedEngine:
 def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, plan: ShardingPlan
             ) -> tuple[nn.Module, ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its sharded engine (or None)."""
-    record = _records.module_record(module)
-    if record is None or record.owner is not job.root:
-        if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
-                module):
-            return module, None  # the user's own engine: leave it to them
-        record = _adopt.adopt(job, module, move=False)  # records only: nothing moves yet
-    if not record.root:
-        return module, None  # a part of a sharded model: its own block hooks gather it
+    record = _adopt.root_record(job, module, move=False)  # records only: nothing moves yet
+    if record is None:
+        return module, None  # the user's own engine, or a part (its block hooks gather it)
     if record.engine is None:
         if _state.rank_only() is not None and job.world_size > 1:
             return module, None  # not sharded yet, and sharding is collective: wait for all

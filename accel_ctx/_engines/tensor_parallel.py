@@ -32,7 +32,6 @@ from .._warn import warn_user
 from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
-from . import records as _records
 from .fsdp_dtypes import settle_dtypes
 from .tp_heads import HEAD_COUNTS, watch_first_forward
 
@@ -55,14 +54,9 @@ class TensorEngine(_fsdp.ShardedEngine):
 def prepare(job: Job, module: nn.Module, grad: bool, session: Session, *, tensor: TensorPlan,
             sharding: _fsdp.ShardingPlan | None) -> tuple[nn.Module, _fsdp.ShardedEngine | None]:
     """What to call for a top-level call of ``module``, and its engine (or None)."""
-    record = _records.module_record(module)
-    if record is None or record.owner is not job.root:
-        if isinstance(module, nn.parallel.DistributedDataParallel) or _adopt.managed_elsewhere(
-                module):
-            return module, None  # the user's own engine: leave it to them
-        record = _adopt.adopt(job, module)
-    if not record.root:
-        return module, None  # a part of a split model: its own hooks redistribute
+    record = _adopt.root_record(job, module)
+    if record is None:
+        return module, None  # the user's own engine, or a part (its own hooks redistribute)
     if record.engine is None:
         if _state.rank_only() is not None and job.world_size > 1:
             return module, None  # splitting is collective: wait for every rank

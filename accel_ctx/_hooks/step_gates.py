@@ -149,6 +149,10 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     record.skipping = skip
     for before in hooks.before_step:
         before(session)
+    if not skip:
+        for runs in hooks.runs_step:  # DeepSpeed's engine.step(): the optimizer's step in it
+            if runs(optimizer):
+                return ((skipped_view(optimizer), *args[1:]), kwargs)
     if skip:
         return ((skipped_view(optimizer), *args[1:]), kwargs)
     return None
@@ -175,7 +179,7 @@ def zero_grad(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[s
         if isinstance(instance, _Optimizer) and stack.session.optimizer_record(instance) is None:
             optimizer_record(stack, instance)  # known from now on (clipping under fp16)
         for allows in stack.hooks.allows_zero_grad:
-            if not allows():
+            if not allows(instance):
                 return None  # mid-group: the accumulated gradients must stay
     return wrapped(*args, **kwargs)
 

@@ -114,8 +114,8 @@ class Concern:
     HOOKS: ClassVar[tuple[str, ...]] = (
         "before_forward", "forward_context", "after_forward", "forward_failed", "forward_done",
         "before_backward", "backward_context", "backward_failed", "after_backward",
-        "allows_step", "skips_step", "before_step", "after_step", "first_optimizer",
-        "allows_zero_grad", "defers_clipping", "grads_for_clipping", "before_batch",
+        "allows_step", "skips_step", "before_step", "runs_step", "after_step", "first_optimizer",
+        "allows_zero_grad", "defers_clipping", "grads_for_clipping", "clips_in_step", "before_batch",
         "before_schedule", "before_touch", "loader_met",
     )
 
@@ -180,14 +180,20 @@ class Concern:
     def before_step(self, session: Session) -> None:
         """A step() call was decided (``session.step`` counts it)."""
 
+    def runs_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Take the decided step of ``optimizer`` itself (an engine that owns the step, as
+        DeepSpeed's does): True, and the ``step()`` call itself then changes nothing more."""
+        return False
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The outermost step() call of ``optimizer`` returned."""
 
     def first_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """An optimizer is met for the first time in the session."""
 
-    def allows_zero_grad(self) -> bool:
-        """False: the gradients must stay (mid accumulation group)."""
+    def allows_zero_grad(self, owner: Any) -> bool:
+        """False: the gradients ``owner`` (an optimizer or a module) would clear must stay (mid
+        accumulation group; an engine's own buffers, which it clears itself)."""
         return True
 
     # ---- DataLoader batches and LR schedulers ----------------------------------------------------
@@ -268,6 +274,21 @@ class Concern:
         None: this concern joins no groups."""
         return None
 
+    def accumulation_steps(self) -> int | None:
+        """The micro-batches per optimizer step this concern accumulates (None: it does not)."""
+        return None
+
+    def clips_in_step(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
+        """Clip the gradients in the optimizer's coming step (an engine whose gradients are
+        reduced there): the tensor the loop's ``clip_grad_norm_`` returns, holding the norm once
+        the step ran; None: clip now, as torch does."""
+        return None
+
+    def full_model_state(self, model: nn.Module) -> dict[str, Any] | None:
+        """``model``'s full state dict where this concern's engine holds it partitioned in a way
+        DCP cannot read (ZeRO-3; collective, empty off rank 0); None: DCP's own gathers it."""
+        return None
+
     def resume_group(self, grads_kept: bool, put_back: Callable[[], None]) -> None:
         """After a restore: continue the group a checkpoint saved mid-way (``put_back()`` gives
         back its partial gradients; ``grads_kept`` says whether they can be), or start afresh."""
@@ -293,11 +314,13 @@ class Hooks:
     allows_step: tuple[Callable[[OptimizerRecord], bool], ...]
     skips_step: tuple[Callable[[torch.optim.Optimizer], bool | torch.Tensor], ...]
     before_step: tuple[Callable[[Session], None], ...]
+    runs_step: tuple[Callable[[torch.optim.Optimizer], bool], ...]
     after_step: tuple[Callable[[torch.optim.Optimizer], None], ...]
     first_optimizer: tuple[Callable[[torch.optim.Optimizer], None], ...]
-    allows_zero_grad: tuple[Callable[[], bool], ...]
+    allows_zero_grad: tuple[Callable[[Any], bool], ...]
     defers_clipping: tuple[Callable[[], bool], ...]
     grads_for_clipping: tuple[Callable[[Session, list[torch.Tensor]], Grads | None], ...]
+    clips_in_step: tuple[Callable[[float, float], torch.Tensor | None], ...]
     before_batch: tuple[Callable[[Session], None], ...]
     before_schedule: tuple[Callable[[Any, Session], None], ...]
     before_touch: tuple[Callable[[nn.Module, Session, FrameType], None], ...]

@@ -125,7 +125,7 @@ class AccumulateRuntime(_PausesEngines):
         return True
 
     @override
-    def allows_zero_grad(self) -> bool:
+    def allows_zero_grad(self, owner: Any) -> bool:
         return self.sync_gradients
 
     @override
@@ -155,6 +155,10 @@ class AccumulateRuntime(_PausesEngines):
     @override
     def mid_group(self) -> tuple[int, int] | None:
         return (self.micro, self.steps) if self.micro else None
+
+    @override
+    def accumulation_steps(self) -> int | None:
+        return self.steps
 
     @override
     def resume_group(self, grads_kept: bool, put_back: Callable[[], None]) -> None:

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import ExitStack
+from typing import Any
 
 from torch import nn
 from typing_extensions import Unpack, override
 
+from .._engines import zero_config
+from .._engines.choice import Plan
 from .._engines.fsdp import BlockSpec, ShardingPlan
+from .._engines.zero import ZeroPlan, check_installed
 from .._hooks.scope import Scope
 from .._job.options import DistributedOptions, Options, parse_options
 from .._kernel.concern import Concern
@@ -19,7 +24,11 @@ from .distributed import DistributedRuntime, open_runtime
 __all__ = ["sharded"]
 
 
-_OWN = ("blocks", "reshard_after_forward", "cpu_offload", "shard_size", "hybrid")
+_OWN = ("blocks", "reshard_after_forward", "cpu_offload", "shard_size", "hybrid", "engine",
+        "stage", "offload", "config")
+_ENGINES = ("fsdp2", "deepspeed")
+_FSDP2_DEFAULTS = {"blocks": None, "reshard_after_forward": True, "cpu_offload": False,
+                   "shard_size": None, "hybrid": False}
 
 
 @checked
@@ -55,6 +64,14 @@ class sharded(Scope):
     from rank 0's random stream (one process's values), block by block, so no rank ever holds
     the whole model.
 
+    ``engine="deepspeed"`` trains with DeepSpeed's ZeRO instead (``pip install
+    'accel-ctx[deepspeed]'``), the loop unchanged: the model's first call with gradients builds
+    its DeepSpeed engine with the optimizer made for it (make the optimizer before that call);
+    ``opt.step()`` is the engine's step, ``clip_grad_norm_`` clips in it (the returned norm is
+    filled by that step), ``accumulate(k)`` decides its boundaries, ``mixed_precision("bf16")``
+    autocasts its forward; ``save_model`` writes the full weights (ZeRO-3: gathered).
+    ``save_state``/``resumable()`` and fp16 are not supported with it yet.
+
     Args:
         blocks: the classes of the submodules to shard on their own, or a predicate
             ``fn(module) -> bool``; None finds the repeated layers.
@@ -66,6 +83,13 @@ class sharded(Scope):
             (HSDP; under ``tp``, data-parallel ranks); None shards over all ranks.
         hybrid: HSDP with one copy per machine (``shard_size`` = processes per node; with
             ``tp``, its data-parallel ranks: processes per node / ``tp``).
+        engine: ``"fsdp2"`` (the default: torch's ``fully_shard``) or ``"deepspeed"``.
+        stage: DeepSpeed's ZeRO stage: 1 (optimizer states partitioned), 2 (and gradients),
+            3 (and parameters); None takes the config's, else 2.
+        offload: ``"cpu"``: DeepSpeed keeps the optimizer's states and step on the CPU.
+        config: a DeepSpeed config (dict, or the path of its JSON file) as HF users bring it;
+            its ``"auto"`` values are filled from the loop, and a value that contradicts the
+            loop is refused.
         **options: ``distributed()`` options, used when this scope forms the job.
 
     Examples:
@@ -83,10 +107,25 @@ class sharded(Scope):
     def __init__(self, *, blocks: Sequence[type[nn.Module]] | type[nn.Module]
                  | Callable[[nn.Module], bool] | None = None,
                  reshard_after_forward: bool | int = True, cpu_offload: bool = False,
-                 shard_size: int | None = None, hybrid: bool = False,
+                 shard_size: int | None = None, hybrid: bool = False, engine: str = "fsdp2",
+                 stage: int | None = None, offload: str | None = None,
+                 config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
                  **options: Unpack[Options]) -> None:
         super().__init__()
         self.options: DistributedOptions = parse_options(options, "sharded", _OWN)
+        self.plan: Plan
+        if engine == "deepspeed":
+            given = {"blocks": blocks, "reshard_after_forward": reshard_after_forward,
+                     "cpu_offload": cpu_offload, "shard_size": shard_size, "hybrid": hybrid}
+            _refuse_given(given, _FSDP2_DEFAULTS, "engine='deepspeed'", "FSDP2's")
+            self.plan = _zero_plan(stage, offload, config)
+            return
+        if engine != "fsdp2":
+            raise ConfigurationError(
+                f"sharded(engine={engine!r}): give one of {', '.join(map(repr, _ENGINES))}.")
+        _refuse_given({"stage": stage, "offload": offload, "config": config},
+                      dict.fromkeys(("stage", "offload", "config")), "engine='fsdp2'",
+                      "DeepSpeed's (engine='deepspeed')")
         self.plan = ShardingPlan(_blocks(blocks), _reshard(reshard_after_forward),
                                  flag("sharded", "cpu_offload", cpu_offload),
                                  _shard_size(shard_size), flag("sharded", "hybrid", hybrid))
@@ -94,6 +133,33 @@ class sharded(Scope):
     @override
     def _open(self, exits: ExitStack) -> DistributedRuntime | tuple[Concern, ...]:
         return open_runtime(self.options, exits, self.plan)
+
+
+def _refuse_given(given: Mapping[str, object], defaults: Mapping[str, object], engine: str,
+                  whose: str) -> None:
+    for name, value in given.items():
+        if value is not defaults[name] and value != defaults[name]:
+            raise ConfigurationError(
+                f"sharded({engine}, {name}={value!r}): {name} is one of {whose} options, which "
+                f"this engine does not take; drop it (or choose the engine it belongs to).")
+
+
+def _zero_plan(stage: object, offload: object, config: object) -> ZeroPlan:
+    check_installed()
+    settings = zero_config.read(config)  # type: ignore[arg-type]
+    if stage is None:
+        stage = zero_config.stage_of(settings) or 2
+    if stage not in (1, 2, 3) or isinstance(stage, bool):
+        raise ConfigurationError(
+            f"sharded(engine='deepspeed', stage={stage!r}): give ZeRO's stage 1 (optimizer "
+            "states partitioned), 2 (and gradients) or 3 (and parameters).")
+    if offload not in (None, "cpu"):
+        raise ConfigurationError(
+            f"sharded(engine='deepspeed', offload={offload!r}): give \"cpu\" (the optimizer's "
+            "states and step on the CPU) or None; NVMe offload is not supported yet.")
+    assert isinstance(stage, int)
+    zero_config.check(settings, stage, offload if isinstance(offload, str) else None)
+    return ZeroPlan(stage, offload if isinstance(offload, str) else None, settings)
 
 
 def _blocks(blocks: object) -> BlockSpec:

@@ -152,6 +152,10 @@ def clip_grad_norm_(
     if _deferred(stack):
         grads = [p.grad for p in params if p.grad is not None]
         return _total_norm([], grads, _loss_scale(stack), norm_type, foreach)
+    for clips in stack.hooks.clips_in_step:  # DeepSpeed: the gradients are reduced there
+        later = clips(float(max_norm), norm_type)
+        if later is not None:
+            return later
     plain, scaled, scale = _split_scaled(stack, params)
     total = _total_norm(plain, scaled, scale, norm_type, foreach)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
@@ -189,6 +193,11 @@ def clip_grad_value_(
         return
     if _deferred(stack):
         return
+    if stack.hooks.clips_in_step:
+        raise ConfigurationError(
+            "clip_grad_value_ under sharded(engine='deepspeed'): DeepSpeed reduces the "
+            "gradients inside opt.step() and clips only by norm there; use "
+            "clip_grad_norm_(model.parameters(), max_norm) instead.")
     params = _as_list(parameters)
     plain, scaled, scale = _split_scaled(stack, params)
     value = float(clip_value)

@@ -1,0 +1,217 @@
+"""Workers of tests/sharded/test_deepspeed.py: one plain loop under distributed(), under
+sharded(engine="deepspeed") and under DeepSpeed written by hand, on the same ranks.
+
+The loop is the one real scripts write: the seed set before the scopes, the model and its
+AdamW built inside them, a shuffled DataLoader without a generator, dropout, the loop's own
+clip (or none), an LR scheduler, an evaluation at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+BATCH = 4
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.1), nn.Linear(32, 32),
+                         nn.ReLU(), nn.Linear(32, 4))
+
+
+def _data() -> TensorDataset:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 8, generator=g)
+    return TensorDataset(x, x[:, :4] * 3.0 + torch.randn(64, 4, generator=g))
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def train(kind: str, *, stage: int = 2, clip: float | None = None, k: int = 1,
+          offload: str | None = None, config: Any = None, bf16: bool = False,
+          epochs: int = 2, save: str | None = None, shuffle: bool = True, schedule: bool = True) -> dict[str, Any]:
+    """The plain loop; ``kind``: "ddp" (distributed()) or "zero" (sharded(engine=...))."""
+    from accel_ctx import accumulate, distributed, mixed_precision, save_model, sharded
+
+    torch.manual_seed(0)
+    scopes = contextlib.ExitStack()
+    with scopes:
+        scopes.enter_context(distributed())
+        if kind == "zero":
+            scopes.enter_context(sharded(engine="deepspeed", stage=stage, offload=offload,
+                                         config=config))
+        if k > 1:
+            scopes.enter_context(accumulate(k))
+        if bf16:
+            scopes.enter_context(mixed_precision("bf16"))
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        norms = []
+        losses = []
+        for _ in range(epochs):
+            for x, y in DataLoader(_data(), batch_size=BATCH, shuffle=shuffle):
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                        if clip is not None else None)
+                opt.step()
+                if schedule:
+                    sched.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if norm is not None:
+                    norms.append(float(norm))
+        model.eval()
+        with torch.no_grad():
+            x, y = _data().tensors
+            eval_loss = nn.functional.mse_loss(model(x), y).item()
+        out: dict[str, Any] = {"losses": losses, "norms": norms, "eval": eval_loss,
+                               "lr": sched.get_last_lr()[0]}
+        if save is not None:
+            path = save_model(model, save)
+            out["saved"] = {k: v.float() for k, v in torch.load(path).items()}
+        else:
+            out["weights"] = _weights(model)
+    return out
+
+
+def by_hand(*, stage: int, k: int, epochs: int = 2) -> dict[str, Any]:
+    """DeepSpeed as its docs write it: engine(x), engine.backward(loss), engine.step(), with
+    its own accumulation (gradient_accumulation_steps=k), no clipping."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from .common import hand_group
+
+    torch.manual_seed(0)
+    with hand_group("deepspeed"):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": k,
+                  "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                  "steps_per_print": 2**62}
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        # each rank's whole batches in turn, as distributed() shards an unshuffled loader
+        rank, world = dist.get_rank(), dist.get_world_size()
+        batches = range(rank, len(_data()) // BATCH, world)
+        mine = [i for b in batches for i in range(b * BATCH, (b + 1) * BATCH)]
+        losses = []
+        for _ in range(epochs):
+            for x, y in DataLoader(_data(), batch_size=BATCH, sampler=mine):
+                loss = nn.functional.mse_loss(engine(x), y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        groups._release_process_group_references(None)  # as deepspeed.comm's teardown
+        return {"losses": losses, "weights": _weights(model)}
+
+
+def equivalence(tmp: str) -> dict[str, Any]:
+    """On 2 ranks: each variation of the loop, as the test compares them."""
+    cfg_path = Path(tmp) / f"ds_config_{os.environ['RANK']}.json"
+    cfg_path.write_text('{"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",'
+                        ' "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",'
+                        ' "zero_optimization": {"stage": "auto", "overlap_comm": "auto"},'
+                        ' "bf16": {"enabled": "auto"}}')
+    saved = str(Path(tmp) / "zero3.pt")
+    return {
+        "ddp": train("ddp"),
+        "zero1": train("zero", stage=1),
+        "zero2": train("zero", stage=2),
+        "zero3": train("zero", stage=3, save=saved),
+        "ddp_saved": train("ddp", save=str(Path(tmp) / "ddp.pt")),
+        "ddp_clip": train("ddp", clip=0.5),
+        "zero2_clip": train("zero", stage=2, clip=0.5),
+        "zero2_offload": train("zero", stage=2, offload="cpu"),
+        "zero2_hf": train("zero", stage=2, config=str(cfg_path)),
+        "ddp_acc": train("ddp", k=2),
+        "zero1_acc": train("zero", stage=1, k=2),
+        "ddp_bf16": train("ddp", bf16=True, epochs=1),
+        "zero2_bf16": train("zero", stage=2, bf16=True, epochs=1),
+    }
+
+
+def hand_accumulation() -> dict[str, Any]:
+    """accumulate(2) under ZeRO-1 beside DeepSpeed's own accumulation, written by hand."""
+    return {"ours": train("zero", stage=1, k=2, shuffle=False, schedule=False),
+            "hand": by_hand(stage=1, k=2)}
+
+
+def refusals() -> dict[str, str]:
+    """What each misuse says, on every rank (each inside a scope of its own)."""
+    from accel_ctx import distributed, sharded
+
+    said: dict[str, str] = {}
+
+    def record(name: str, fn: Any) -> None:
+        try:
+            fn()
+        except Exception as exc:  # the message is the assertion
+            said[name] = f"{type(exc).__name__}: {exc}"
+        else:
+            said[name] = "no error"
+
+    def no_optimizer() -> None:
+        with distributed(), sharded(engine="deepspeed"):
+            model = _model()
+            model(torch.randn(2, 8)).sum().backward()
+
+    def two_optimizers() -> None:
+        with distributed(), sharded(engine="deepspeed"):
+            model = _model()
+            sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+            adamw = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum()
+            del sgd, adamw
+
+    def contradicting_accumulation() -> None:
+        from accel_ctx import accumulate
+
+        config = {"gradient_accumulation_steps": 4}
+        with distributed(), sharded(engine="deepspeed", config=config), accumulate(2):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum()
+            del opt
+
+    def config_clips_loop_does_not() -> None:
+        with distributed(), sharded(engine="deepspeed", config={"gradient_clipping": 1.0}):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+
+    def value_clip() -> None:
+        with distributed(), sharded(engine="deepspeed"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
+            opt.step()
+
+    def save_state() -> None:
+        from accel_ctx import save_state as save
+
+        with distributed(), sharded(engine="deepspeed"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            opt.step()
+            save(os.environ["ZERO_TMP"], model=model, optimizer=opt)
+
+    for name, fn in [("no_optimizer", no_optimizer), ("two_optimizers", two_optimizers),
+                     ("contradicting_accumulation", contradicting_accumulation),
+                     ("config_clips_loop_does_not", config_clips_loop_does_not),
+                     ("value_clip", value_clip), ("save_state", save_state)]:
+        record(name, fn)
+    return said
