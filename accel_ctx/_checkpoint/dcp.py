@@ -35,6 +35,7 @@ from .._kernel import state as _state
 from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
+from . import forms as _forms
 from .state import Carried
 
 
@@ -79,6 +80,7 @@ def as_stock_torch() -> Iterator[None]:
     """Our own calls into torch bypass the scopes: DCP initialises an empty optimizer state by
     calling ``optimizer.step()``, which must not count as a training step. DCP's notice that a
     lone process saves alone is silenced: one process is a normal case here."""
+    outer = _forms.OUTER.set(_state.current() or _forms.OUTER.get())  # engines' forms
     token = _state._STACK.set(None)
     try:
         with warnings.catch_warnings():
@@ -86,6 +88,7 @@ def as_stock_torch() -> Iterator[None]:
             yield
     finally:
         _state._STACK.reset(token)
+        _forms.OUTER.reset(outer)
 
 
 # ---- the objects -------------------------------------------------------------------------------
@@ -113,7 +116,7 @@ def split(objects: dict[str, Any], caller: str, options: tuple[str, ...] = ()
 
 
 def _owners(optimizer: torch.optim.Optimizer, stateful: dict[str, Any]) -> list[str]:
-    params = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params = {id(p) for group in _forms.param_groups(optimizer) for p in group}
     return [n for n, m in stateful.items() if isinstance(m, nn.Module)
             and any(id(p) in params for p in m.parameters())]
 
@@ -141,6 +144,10 @@ def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
                 forms[name] = obj.form
             if obj.state is not None:
                 state_dict[name] = obj.state
+        elif (engine := _forms.engine_form(obj)) is not None:  # DeepSpeed's partitions
+            if isinstance(obj, torch.optim.Optimizer):
+                forms[name] = _owners(obj, stateful) or None
+            state_dict[name] = engine.state()
         elif isinstance(obj, nn.Module):
             state_dict[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer):
@@ -159,7 +166,7 @@ def _param_names(optimizer: torch.optim.Optimizer, module: nn.Module) -> list[li
     from torch.distributed.checkpoint.state_dict import _get_fqns
 
     names = {id(p): min(_get_fqns(module, n)) for n, p in module.named_parameters()}
-    return [[names.get(id(p)) for p in group["params"]] for group in optimizer.param_groups]
+    return [[names.get(id(p)) for p in group] for group in _forms.param_groups(optimizer)]
 
 
 def optimizer_params(stateful: dict[str, Any]) -> dict[str, Any]:
@@ -187,7 +194,7 @@ def check_optimizers(folder: Path, stateful: dict[str, Any], saved: dict[str, An
             continue
         was = [n for group in record["params"] for n in group]
         now = [n for group in given for n in group]
-        shapes = [tuple(p.shape) for g in obj.param_groups for p in g["params"]]
+        shapes = [tuple(p.shape) for group in _forms.param_groups(obj) for p in group]
         parts = []
         if lacking := [n for n in was if n not in now]:
             parts.append(f"lacks {_few(lacking)}")
@@ -215,8 +222,11 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
     chosen = {n: o for n, o in stateful.items() if only is None or n in only}
     check_optimizers(folder, stateful, {n: p for n, p in params.items() if n in chosen})
     templates: dict[str, Any] = {}
+    engines = {n: e for n, o in chosen.items() if (e := _forms.engine_form(o)) is not None}
     for name, obj in chosen.items():
-        if isinstance(obj, nn.Module):
+        if name in engines:
+            templates[name] = engines[name].state()  # DeepSpeed's, whole: DCP fills it in
+        elif isinstance(obj, nn.Module):
             templates[name] = get_model_state_dict(obj)
         elif isinstance(obj, torch.optim.Optimizer) and forms.get(name) is not None:
             # with no gradients (cleared by load_state), DCP creates a missing state by a
@@ -231,7 +241,9 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
             dcp_load(templates, storage_reader=files.SafeReader(folder),
                      planner=files.SafeLoadPlanner(), no_dist=not collective())
     for name, obj in chosen.items():
-        if isinstance(obj, nn.Module):
+        if name in engines:
+            engines[name].load(templates[name])
+        elif isinstance(obj, nn.Module):
             set_model_state_dict(obj, templates[name])
         elif isinstance(obj, torch.optim.Optimizer) and name in templates:
             set_optimizer_state_dict(_owner_module(forms[name], stateful, name), obj,

@@ -22,6 +22,7 @@ from .._options import checked, file_path, flag
 from ..errors import CheckpointError
 from . import rng
 from . import state as owned
+from .forms import param_groups
 
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
 # load, never by ``import accel_ctx``.
@@ -141,7 +142,7 @@ def _clear_grads(stateful: dict[str, Any]) -> None:
         if isinstance(obj, nn.Module):
             params: Any = obj.parameters()
         elif isinstance(obj, torch.optim.Optimizer):
-            params = (p for group in obj.param_groups for p in group["params"])
+            params = (p for group in param_groups(obj) for p in group)
         else:
             continue
         for p in params:

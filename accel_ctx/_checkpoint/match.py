@@ -23,6 +23,7 @@ from torch import nn
 
 from .._warn import warn_user
 from ..errors import CheckpointError
+from .forms import param_groups
 from .restore import Checkpoint, ordinal
 
 ENTRY = "resumable-keys"  # not a keyword argument: never a name given to run.track()
@@ -54,11 +55,12 @@ def describe(obj: Any, kind: str, keys: weakref.WeakKeyDictionary[Any, str]) -> 
         return {"class": _class(obj), "params": [
             [n, list(p.shape), p.requires_grad] for n, p in obj.named_parameters()]}
     if kind == "optimizer" and isinstance(obj, torch.optim.Optimizer):
-        mine = {id(p) for g in obj.param_groups for p in g["params"]}
+        groups = param_groups(obj)  # as the script made them (DeepSpeed re-points them)
+        mine = {id(p) for group in groups for p in group}
         owners = sorted({key for model, key in keys.items() if isinstance(model, nn.Module)
                          and any(id(p) in mine for p in model.parameters())})
         return {"class": _class(obj), "owners": owners,
-                "groups": [len(g["params"]) for g in obj.param_groups],
+                "groups": [len(group) for group in groups],
                 "lr": [_rate(g) for g in obj.param_groups]}  # not matched: checked at the restore
     optimizer = getattr(obj, "optimizer", None)
     with_key = keys.get(optimizer) if isinstance(optimizer, torch.optim.Optimizer) else None

@@ -27,6 +27,7 @@ from ..errors import CheckpointError
 from . import dcp as objs
 from . import files, find, rng
 from . import load as _load
+from .forms import param_groups
 
 META = "resumable"
 
@@ -221,7 +222,7 @@ class Checkpoint:
 
 def _stash_grads(obj: Any) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     if isinstance(obj, torch.optim.Optimizer):
-        params = [p for group in obj.param_groups for p in group["params"]]
+        params = [p for group in param_groups(obj) for p in group]
     elif isinstance(obj, nn.Module):
         params = list(obj.parameters())
     else:

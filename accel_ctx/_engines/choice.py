@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from .._job.job import Job
 from .._job.tp_plan import TensorPlan
+from .._kernel.checkpoint_form import CheckpointForm
 from .._kernel.concern import Concern
 from .._kernel.session import Session
 from ..errors import ConfigurationError
@@ -74,8 +75,9 @@ class EngineChoice:
         """``module``'s full weights where DCP cannot gather them (collective), else None."""
         return None
 
-    def before_checkpoint(self) -> None:
-        """``save_state`` is about to capture the state: refuse what the engine cannot save."""
+    def checkpoint_form(self, obj: Any) -> CheckpointForm | None:
+        """The form the engine keeps ``obj``'s state in, for checkpoints (None: DCP's own)."""
+        return None
 
     across_groups: Callable[[], Healing] | None = None
     """The job is one replica group: the last step of the layout averages across the groups
@@ -168,22 +170,17 @@ class DeepSpeedZero(EngineChoice):
 
     @override
     def prepare_for_load(self, job: Job, objects: dict[str, Any], session: Session) -> None:
-        raise ConfigurationError(
-            "load_state under sharded(engine='deepspeed') is not supported yet: DeepSpeed keeps "
-            "the optimizer's states in its own partitions. Load the weights into the model "
-            "before the scope (model.load_state_dict), or use sharded() (FSDP2), whose "
-            "checkpoints save_state and resumable() write and load.")
+        for obj in objects.values():  # the engines built: the state is loaded into them
+            if isinstance(obj, nn.Module):
+                self.prepare(job, obj, True, session)
+
+    @override
+    def checkpoint_form(self, obj: Any) -> CheckpointForm | None:
+        return _zero.form_of(obj)
 
     @override
     def full_state_dict(self, module: nn.Module) -> dict[str, Any] | None:
         return _zero.full_state_dict(module)
-
-    @override
-    def before_checkpoint(self) -> None:
-        raise ConfigurationError(
-            "save_state (and resumable()) under sharded(engine='deepspeed') is not supported "
-            "yet: DeepSpeed keeps the optimizer's states in its own partitions. save_model "
-            "writes the full weights; for checkpoints that resume exactly, use sharded() (FSDP2).")
 
     @override
     def run_step(self, optimizer: torch.optim.Optimizer) -> bool:

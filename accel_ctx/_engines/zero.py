@@ -31,6 +31,7 @@ from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import records as _records
 from . import zero_config as _config
+from . import zero_state as _forms
 from .fsdp import broadcast_from_rank0, check_call
 
 EXTRA = "pip install 'accel-ctx[deepspeed]'"
@@ -57,10 +58,13 @@ def check_installed() -> None:
 class ZeroEngine:
     """An adopted model's DeepSpeed engine, seen through the switch the other concerns use."""
 
-    def __init__(self, ds: Any, optimizer: torch.optim.Optimizer, config_clip: float | None
-                 ) -> None:
+    def __init__(self, ds: Any, module: nn.Module, optimizer: torch.optim.Optimizer,
+                 groups: list[list[torch.Tensor]], config_clip: float | None) -> None:
         self.ds = ds
         self.optimizer = weakref.ref(optimizer)
+        # checkpoints read and write both in a plain model's and optimizer's form
+        self.model_form = _forms.ModelForm(module)
+        self.optimizer_form = _forms.OptimizerForm(module, optimizer, groups, ds.optimizer)
         self.config_clip = config_clip
         self.clip: float | None = None  # the loop's clip_grad_norm_ max_norm in this step
         self.norm: torch.Tensor | None = None  # what that call returned, filled by the step
@@ -152,7 +156,7 @@ def build(job: Job, module: nn.Module, plan: ZeroPlan, session: Session) -> Zero
     if job.world_size == 1 or not dist.is_initialized():
         return None
     optimizer = _optimizer_of(module, session)
-    import deepspeed  # type: ignore[import-untyped]  # slow to import, and optional
+    import deepspeed  # slow to import, and optional
 
     driving = session.driving_loader()
     batch_size = getattr(driving.loader, "batch_size", None) if driving is not None else None
@@ -160,12 +164,41 @@ def build(job: Job, module: nn.Module, plan: ZeroPlan, session: Session) -> Zero
     config = _config.complete(plan.config, stage=plan.stage, offload=plan.offload,
                               micro_batch=micro_batch, world_size=job.world_size,
                               accumulation=_accumulation())
+    _refuse_half(module)
     broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights, as DDP
+    groups = [list(group["params"]) for group in optimizer.param_groups]  # before DeepSpeed's
     ds, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                        dist_init_required=False)
-    engine = ZeroEngine(ds, optimizer, _config.clipping(plan.config))
+    engine = ZeroEngine(ds, module, optimizer, groups, _config.clipping(plan.config))
     _BY_OPTIMIZER[optimizer] = engine
     return engine
+
+
+def _refuse_half(module: nn.Module) -> None:
+    """fp16 loss scaling and half-precision weights are DeepSpeed's own modes, not supported
+    behind the loop yet: refused before they could train wrong (a GradScaler would unscale
+    gradients DeepSpeed keeps in its partitions, and skip nothing)."""
+    stack = _state.current()
+    scaled = any(c.loss_scaling() is not None for c in (stack.concerns if stack else ()))
+    half = next((p.dtype for p in module.parameters() if p.dtype != torch.float32), None)
+    if scaled or half is not None:
+        what = "fp16's loss scaling" if scaled else f"{half} weights"
+        raise ConfigurationError(
+            f"sharded(engine='deepspeed') with {what} is not supported yet (DeepSpeed keeps "
+            "the gradients in its own partitions): use mixed_precision(\"bf16\") (autocast, "
+            "fp32 weights), or sharded() (FSDP2), which trains with fp16 and true half.")
+
+
+def form_of(obj: Any) -> _forms.ModelForm | None:
+    """The checkpoint form of a model or optimizer a DeepSpeed engine trains, or None."""
+    if isinstance(obj, torch.optim.Optimizer):
+        engine = _BY_OPTIMIZER.get(obj)
+        return engine.optimizer_form if engine is not None else None
+    if isinstance(obj, nn.Module):
+        record = _records.module_record(obj)
+        built = record.engine if record is not None else None
+        return built.model_form if isinstance(built, ZeroEngine) else None
+    return None
 
 
 def _accumulation() -> int:

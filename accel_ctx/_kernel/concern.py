@@ -26,6 +26,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from .._job.job import Job
+    from .checkpoint_form import CheckpointForm
     from .session import OptimizerRecord, Session
 
 
@@ -287,6 +288,11 @@ class Concern:
     def full_model_state(self, model: nn.Module) -> dict[str, Any] | None:
         """``model``'s full state dict where this concern's engine holds it partitioned in a way
         DCP cannot read (ZeRO-3; collective, empty off rank 0); None: DCP's own gathers it."""
+        return None
+
+    def checkpoint_form(self, obj: Any) -> CheckpointForm | None:
+        """The form this concern's engine keeps ``obj``'s state in (a model or optimizer
+        DeepSpeed holds in its partitions); None: DCP reads and writes it as it is."""
         return None
 
     def resume_group(self, grads_kept: bool, put_back: Callable[[], None]) -> None:

@@ -33,7 +33,15 @@ from .._job.job import Job
 from .._job.progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD, FORWARD, STEP
 from .._job.tp_plan import TensorPlan
 from .._kernel import state as _state
-from .._kernel.concern import NOT_FAST, Concern, Engine, FastForward, ForwardCall, Params
+from .._kernel.checkpoint_form import CheckpointForm
+from .._kernel.concern import (
+    NOT_FAST,
+    Concern,
+    Engine,
+    FastForward,
+    ForwardCall,
+    Params,
+)
 from .._kernel.order import ORDER
 from .._kernel.session import Session
 
@@ -227,8 +235,8 @@ class DistributedRuntime(Concern):
         return self.engines.full_state_dict(model)
 
     @override
-    def before_checkpoint(self) -> None:
-        self.engines.before_checkpoint()
+    def checkpoint_form(self, obj: Any) -> CheckpointForm | None:
+        return self.engines.checkpoint_form(obj)
 
     @override
     def before_touch(self, module: nn.Module, session: Session, caller: FrameType) -> None:

@@ -70,7 +70,8 @@ class sharded(Scope):
     ``opt.step()`` is the engine's step, ``clip_grad_norm_`` clips in it (the returned norm is
     filled by that step), ``accumulate(k)`` decides its boundaries, ``mixed_precision("bf16")``
     autocasts its forward; ``save_model`` writes the full weights (ZeRO-3: gathered).
-    ``save_state``/``resumable()`` and fp16 are not supported with it yet.
+    ``save_state``/``load_state``/``resumable()`` write the same full-state checkpoint as under
+    FSDP2 or DDP (one format across engines); fp16 loss scaling and half weights are refused.
 
     Args:
         blocks: the classes of the submodules to shard on their own, or a predicate

@@ -60,6 +60,8 @@ def test_zero_3_trains_as_distributed_and_save_model_gathers_its_weights(runs):
 
 def test_the_loops_clip_is_the_clipping_and_no_clip_means_none(runs):
     for rank, result in enumerate(runs):
+        _close(result["zero1_clip"]["weights"], result["ddp_clip"]["weights"],
+               f"rank {rank}: ZeRO-1 clip", 1e-6)
         # ZeRO divides by the norm over its partitions where torch multiplies by its inverse
         _close(result["zero2_clip"]["weights"], result["ddp_clip"]["weights"],
                f"rank {rank}: clip", 1e-6)
@@ -106,4 +108,38 @@ def test_misuse_is_refused_naming_the_fix(tmp_path, monkeypatch):
     assert "gradient_clipping=1.0" in said["config_clips_loop_does_not"]
     assert "no clip_grad_norm_" in said["config_clips_loop_does_not"]
     assert "clip_grad_norm_" in said["value_clip"]
-    assert "save_state" in said["save_state"] and "not supported yet" in said["save_state"]
+    assert "fp16's loss scaling is not supported yet" in said["fp16"]
+    assert "torch.bfloat16 weights" in said["true_half"]
+    assert "rank-only code" in said["rank_only_zero3"]
+    assert "tp= is not supported with it yet" in said["tensor_parallel"]
+    assert "2-norm only" in said["norm_type"]
+
+
+def test_save_state_a_restart_and_load_state_end_as_the_run_never_stopped(tmp_path):
+    root = str(tmp_path / "checkpoints")
+    whole, first, second = (spawn(w.checkpoint_phase, 2, tmp_path / phase, root, phase,
+                                  timeout=300) for phase in ("whole", "first", "second"))
+    for rank in range(2):
+        for run, straight in whole[rank].items():
+            resumed = second[rank][run]
+            assert first[rank][run]["losses"] + resumed["losses"] == straight["losses"], run
+            _equal(resumed["weights"], straight["weights"], f"rank {rank}: ZeRO {run}")
+        # what ZeRO-3 saved loads under DDP: the weights and the optimizer's place as saved
+        into_ddp = second[rank]["zero3_into_ddp"]
+        _equal(into_ddp["weights"], first[rank]["3-None"]["weights"], f"rank {rank}: into DDP")
+        assert set(into_ddp["steps"]) == {float(len(first[rank]["3-None"]["losses"]))}
+
+
+def test_resumable_resumes_a_deepspeed_run_from_its_last_checkpoint(tmp_path):
+    whole, first, second = (
+        spawn(w.resumable_phase, 2, tmp_path / phase,
+              str(tmp_path / ("straight" if phase == "whole" else "stopped")), phase,
+              timeout=300) for phase in ("whole", "first", "second"))
+    for rank in range(2):
+        for stage, straight in whole[rank].items():
+            assert first[rank][stage]["losses"] == straight["losses"][:10]
+            # saved after step 8 (every_steps=4): the second start runs steps 9.. as the
+            # whole run did
+            assert second[rank][stage]["losses"] == straight["losses"][8:], stage
+            assert second[rank][stage]["step"] == straight["step"] == 16
+            _equal(second[rank][stage]["weights"], straight["weights"], f"ZeRO-{stage}")

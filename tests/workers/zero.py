@@ -132,6 +132,7 @@ def equivalence(tmp: str) -> dict[str, Any]:
         "ddp_saved": train("ddp", save=str(Path(tmp) / "ddp.pt")),
         "ddp_clip": train("ddp", clip=0.5),
         "zero2_clip": train("zero", stage=2, clip=0.5),
+        "zero1_clip": train("zero", stage=1, clip=0.5),
         "zero2_offload": train("zero", stage=2, offload="cpu"),
         "zero2_hf": train("zero", stage=2, config=str(cfg_path)),
         "ddp_acc": train("ddp", k=2),
@@ -199,19 +200,156 @@ def refusals() -> dict[str, str]:
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
             opt.step()
 
-    def save_state() -> None:
-        from accel_ctx import save_state as save
+    def fp16() -> None:
+        from accel_ctx import mixed_precision
 
-        with distributed(), sharded(engine="deepspeed"):
+        with distributed(), sharded(engine="deepspeed"), mixed_precision("fp16"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            del opt
+
+    def true_half() -> None:
+        from accel_ctx import mixed_precision
+
+        with distributed(), sharded(engine="deepspeed"), mixed_precision("bf16-true"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            del opt
+
+    def rank_only_zero3() -> None:
+        from accel_ctx import on_main_process
+
+        with distributed(), sharded(engine="deepspeed", stage=3):
             model = _model()
             opt = torch.optim.AdamW(model.parameters(), lr=0.1)
             model(torch.randn(2, 8)).sum().backward()
             opt.step()
-            save(os.environ["ZERO_TMP"], model=model, optimizer=opt)
+            on_main_process(lambda: model(torch.randn(2, 8)))()
+
+    def tensor_parallel() -> None:
+        with distributed(tp=2), sharded(engine="deepspeed"):
+            pass
+
+    def norm_type() -> None:
+        with distributed(), sharded(engine="deepspeed"):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+            model(torch.randn(2, 8)).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=1.0)
+            opt.step()
 
     for name, fn in [("no_optimizer", no_optimizer), ("two_optimizers", two_optimizers),
                      ("contradicting_accumulation", contradicting_accumulation),
                      ("config_clips_loop_does_not", config_clips_loop_does_not),
-                     ("value_clip", value_clip), ("save_state", save_state)]:
+                     ("value_clip", value_clip), ("fp16", fp16), ("true_half", true_half),
+                     ("rank_only_zero3", rank_only_zero3), ("tensor_parallel", tensor_parallel),
+                     ("norm_type", norm_type)]:
         record(name, fn)
     return said
+
+
+def _ckpt_loop(stage: int, offload: str | None, folder: str, phase: str) -> dict[str, Any]:
+    """Two epochs straight ("whole"), or the first with a save_state at its end ("first") and
+    the second after load_state in fresh processes ("second")."""
+    from accel_ctx import distributed, load_state, save_state, sharded
+
+    torch.manual_seed(0)
+    with distributed(), sharded(engine="deepspeed", stage=stage, offload=offload):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+        epochs = range(2)
+        if phase == "second":
+            load_state(folder, model=model, optimizer=opt, scheduler=sched, loader=loader)
+            epochs = range(1, 2)
+        elif phase == "first":
+            epochs = range(1)
+        losses = []
+        for _ in epochs:
+            for x, y in loader:
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        if phase == "first":
+            save_state(folder, model=model, optimizer=opt, scheduler=sched, loader=loader)
+        return {"losses": losses, "weights": model_state_of(model)}
+
+
+def model_state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight whole (ZeRO-3's gathered by DeepSpeed), on every rank."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in model.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        out[name] = (full if full is not None else param).detach().clone()
+    return out
+
+
+CHECKPOINTED = ((1, None), (2, None), (3, None), (2, "cpu"))
+
+
+def checkpoint_phase(root: str, phase: str) -> dict[str, Any]:
+    """One phase of the save, restart, load runs, for every stage (each phase its own
+    processes: the second starts from the checkpoint alone)."""
+    out = {f"{stage}-{offload}": _ckpt_loop(stage, offload, f"{root}/{stage}-{offload}", phase)
+           for stage, offload in CHECKPOINTED}
+    if phase == "second":
+        out["zero3_into_ddp"] = _load_under_ddp(f"{root}/3-None")
+    return out
+
+
+def _load_under_ddp(folder: str) -> dict[str, Any]:
+    """The same loop under distributed() alone loading what ZeRO-3 saved: one format."""
+    from accel_ctx import distributed, load_state
+
+    with distributed():
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+        load_state(folder, model=model, optimizer=opt, scheduler=sched, loader=loader)
+        steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
+        return {"weights": _weights(model), "steps": steps, "lr": sched.get_last_lr()}
+
+
+class _Killed(Exception):
+    pass
+
+
+def resumable_phase(root: str, phase: str) -> dict[str, Any]:
+    """``resumable(every_steps=4)`` around ZeRO-2 and ZeRO-3: the whole run ("whole"), a run
+    stopped at step 10 ("first"), and the same script started again ("second")."""
+    from accel_ctx import distributed, resumable, sharded
+
+    out = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        losses: list[float] = []
+        try:
+            with resumable(f"{root}/{stage}", every_steps=4) as run, distributed(), \
+                    sharded(engine="deepspeed", stage=stage):
+                model = _model()
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+                for _ in run.epochs(2):
+                    for x, y in DataLoader(_data(), batch_size=BATCH, shuffle=True):
+                        loss = nn.functional.mse_loss(model(x), y)
+                        loss.backward()
+                        opt.step()
+                        opt.zero_grad()
+                        losses.append(loss.item())
+                        if phase == "first" and run.step == 10:
+                            raise _Killed
+                weights = model_state_of(model)
+                step = run.step
+        except _Killed:
+            weights, step = {}, 10
+        out[stage] = {"losses": losses, "weights": weights, "step": step}
+    return out
