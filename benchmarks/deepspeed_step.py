@@ -133,7 +133,7 @@ def run(side: str, cfg: GPTConfig, steps: int) -> dict[str, float]:
     procs = [ctx.Process(target=_worker, args=(r, side, cfg, steps, port, out)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = [out.get(timeout=900) for _ in procs]
+    got = sorted(out.get(timeout=900) for _ in procs)  # by rank: the loss shown is rank 0's
     for p in procs:
         p.join()
     return {"ms": max(g[1] for g in got) * 1e3, "peak": max(g[2] for g in got),

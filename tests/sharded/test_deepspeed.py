@@ -88,14 +88,14 @@ def test_accumulate_and_bf16(runs):
                f"rank {rank}: bf16", 1e-2)
 
 
-def test_accumulate_takes_the_steps_deepspeeds_own_accumulation_takes(tmp_path):
-    # DeepSpeed's own accumulation by hand (gradient_accumulation_steps=2, engine.step() at
-    # every micro-batch) gives the same losses through the first two optimizer steps; after
-    # them it drifts from hand-written DDP's accumulation, which accumulate(2) keeps bit for
-    # bit (test_accumulate_and_bf16)
-    for result in spawn(w.hand_accumulation, 2, tmp_path, timeout=300):
-        assert result["ours"]["losses"][:4] == pytest.approx(result["hand"]["losses"][:4], rel=1e-6)
-        assert len(result["ours"]["losses"]) == len(result["hand"]["losses"])
+def test_accumulate_equals_deepspeeds_own_accumulation_written_by_hand(tmp_path):
+    # DeepSpeed's own accumulation by hand: gradient_accumulation_steps=2, engine.backward and
+    # engine.step() at every micro-batch, gradient_clipping 0 (its default clips at 1.0)
+    for rank, result in enumerate(spawn(w.hand_accumulation, 2, tmp_path, timeout=300)):
+        for stage, run in result.items():
+            assert run["ours"]["losses"] == run["hand"]["losses"], f"rank {rank}: ZeRO-{stage}"
+            if stage != 3:  # ZeRO-3's state_dict() holds partitions; its losses say enough
+                _equal(run["ours"]["weights"], run["hand"]["weights"], f"rank {rank}: {stage}")
 
 
 def test_misuse_is_refused_naming_the_fix(tmp_path, monkeypatch):

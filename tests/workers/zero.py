@@ -86,7 +86,8 @@ def train(kind: str, *, stage: int = 2, clip: float | None = None, k: int = 1,
 
 def by_hand(*, stage: int, k: int, epochs: int = 2) -> dict[str, Any]:
     """DeepSpeed as its docs write it: engine(x), engine.backward(loss), engine.step(), with
-    its own accumulation (gradient_accumulation_steps=k), no clipping."""
+    its own accumulation (gradient_accumulation_steps=k), no clipping (DeepSpeed's default
+    gradient_clipping is 1.0: a config written for a loop that does not clip says 0)."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import groups
@@ -99,6 +100,7 @@ def by_hand(*, stage: int, k: int, epochs: int = 2) -> dict[str, Any]:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         config = {"train_micro_batch_size_per_gpu": BATCH, "gradient_accumulation_steps": k,
                   "zero_optimization": {"stage": stage}, "zero_allow_untested_optimizer": True,
+                  "gradient_clipping": 0.0,
                   "steps_per_print": 2**62}
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=config)
         # each rank's whole batches in turn, as distributed() shards an unshuffled loader
@@ -143,9 +145,9 @@ def equivalence(tmp: str) -> dict[str, Any]:
 
 
 def hand_accumulation() -> dict[str, Any]:
-    """accumulate(2) under ZeRO-1 beside DeepSpeed's own accumulation, written by hand."""
-    return {"ours": train("zero", stage=1, k=2, shuffle=False, schedule=False),
-            "hand": by_hand(stage=1, k=2)}
+    """accumulate(2) under ZeRO-1/2/3 beside DeepSpeed's own accumulation, written by hand."""
+    return {stage: {"ours": train("zero", stage=stage, k=2, shuffle=False, schedule=False),
+                    "hand": by_hand(stage=stage, k=2)} for stage in (1, 2, 3)}
 
 
 def refusals() -> dict[str, str]:
