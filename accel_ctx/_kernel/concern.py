@@ -279,6 +279,10 @@ class Concern:
         """The micro-batches per optimizer step this concern accumulates (None: it does not)."""
         return None
 
+    def splits_models(self) -> bool:
+        """Whether this concern's engine holds the models in parts (shards, tp splits)."""
+        return False
+
     def clips_in_step(self, max_norm: float, norm_type: float) -> torch.Tensor | None:
         """Clip the gradients in the optimizer's coming step (an engine whose gradients are
         reduced there): the tensor the loop's ``clip_grad_norm_`` returns, holding the norm once

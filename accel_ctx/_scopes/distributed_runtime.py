@@ -231,6 +231,10 @@ class DistributedRuntime(Concern):
         return self.engines.clip_in_step(max_norm, norm_type)
 
     @override
+    def splits_models(self) -> bool:
+        return self.plan is not None or self.tensor is not None
+
+    @override
     def full_model_state(self, model: nn.Module) -> dict[str, Any] | None:
         return self.engines.full_state_dict(model)
 

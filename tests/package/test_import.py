@@ -154,3 +154,33 @@ def test_the_import_floor_is_the_one_pyproject_claims():
     assert torch == f"torch>={floor}", torch
     ci = (root / ".ci" / "run").read_text()
     assert f"./dev compat {floor}.0\n" in ci, "CI runs the compat tier on the floor"
+
+
+def test_a_class_find_of_another_folders_runtime_breaks_a_contract(tmp_path):
+    """`stack.find(AccumulateRuntime)` from the checkpoints, or the replica groups' runtime
+    imported by the data layer, is what the by-capability contracts exist to refuse."""
+    import shutil
+
+    root = Path(accel_ctx.__file__).parent
+    shutil.copytree(root, tmp_path / "accel_ctx", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(root.parent / "pyproject.toml", tmp_path)
+    for module, line in (
+            ("_checkpoint/heal.py", "from .._steps.accumulation import AccumulateRuntime"),
+            ("_data/order.py", "from .._engines import fault_tolerant")):
+        path = tmp_path / "accel_ctx" / module
+        path.write_text(path.read_text() + f"\n{line}  # noqa\n")
+    linter = Path(sys.executable).parent / "lint-imports"
+    done = subprocess.run(
+        [str(linter if linter.exists() else "lint-imports"), "--no-cache"], cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True,
+        timeout=scaled(120))
+    said = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode != 0, said
+    # the checkpoints' own contract sees the first too; nothing else breaks
+    assert "8 kept, 3 broken" in said, said
+    for contract in ("accumulate()'s and no_sync()'s runtimes are asked by capability, never by "
+                     "their class BROKEN", "The replica groups' runtime is asked by capability, "
+                     "never by its class BROKEN"):
+        assert contract in said, said
+    assert "accel_ctx._checkpoint.heal -> accel_ctx._steps.accumulation" in said
+    assert "accel_ctx._data.order -> accel_ctx._engines.fault_tolerant" in said
