@@ -134,11 +134,6 @@ def complete(config: dict[str, Any], *, stage: int, offload: str | None,
     out["train_batch_size"] = out["train_micro_batch_size_per_gpu"] * world_size
     out["gradient_accumulation_steps"] = 1
     if accumulation > 1:  # (without accumulation, every backward is DeepSpeed's boundary)
-        if offload is not None:
-            raise ConfigurationError(
-                f"accumulate({accumulation}) with sharded(engine='deepspeed', offload="
-                f"{offload!r}) is not supported yet (DeepSpeed's offload does not take the "
-                "loop's own accumulation boundaries): drop one of them.")
         out["managed_gradient_accumulation"] = False
     out["gradient_clipping"] = 0.0  # the loop's clip_grad_norm_, step by step (zero.py)
     out["zero_force_ds_cpu_optimizer"] = False  # the loop's optimizer, also under offload
@@ -154,6 +149,12 @@ def complete(config: dict[str, Any], *, stage: int, offload: str | None,
     elif (zero.get("offload_optimizer") or {}).get("device") == AUTO:
         del zero["offload_optimizer"]
     out["zero_optimization"] = zero
+    if accumulation > 1 and stage == 1 and zero.get("overlap_comm") is True:
+        raise ConfigurationError(
+            f"accumulate({accumulation}) with ZeRO-1 and the DeepSpeed config's "
+            "zero_optimization.overlap_comm=true: DeepSpeed overlaps the reduction only where "
+            "it partitions the gradients (stage 2 or 3) when the loop decides the accumulation "
+            "boundaries. Set overlap_comm to false (or \"auto\"), or use stage=2.")
     for key, value in list(out.items()):
         if value == AUTO:
             raise ConfigurationError(

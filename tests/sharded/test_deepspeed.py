@@ -84,6 +84,8 @@ def test_accumulate_and_bf16(runs):
     for rank, result in enumerate(runs):
         _equal(result["zero1_acc"]["weights"], result["ddp_acc"]["weights"],
                f"rank {rank}: accumulate(2)")
+        _close(result["zero2_offload_acc"]["weights"], result["ddp_acc"]["weights"],
+               f"rank {rank}: accumulate(2) with offload", 1e-5)
         _close(result["zero2_bf16"]["weights"], result["ddp_bf16"]["weights"],
                f"rank {rank}: bf16", 1e-2)
 

@@ -111,10 +111,23 @@ def test_a_value_that_contradicts_the_loop_is_refused_naming_both(config, said):
     assert said in str(caught.value)
 
 
-def test_accumulation_with_offload_is_refused():
-    with pytest.raises(ConfigurationError, match="not supported yet"):
-        zero_config.complete({}, stage=2, offload="cpu", micro_batch=8, world_size=2,
+def test_accumulation_leaves_the_boundaries_to_the_loop_also_under_offload():
+    done = zero_config.complete({}, stage=2, offload="cpu", micro_batch=8, world_size=2,
+                                accumulation=2)
+    assert done["managed_gradient_accumulation"] is False
+    assert done["gradient_accumulation_steps"] == 1
+    assert done["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+
+
+def test_accumulation_with_zero1_and_overlapped_reduction_is_refused_naming_the_fix():
+    config = {"zero_optimization": {"overlap_comm": True}}
+    with pytest.raises(ConfigurationError, match="Set overlap_comm to false"):
+        zero_config.complete(config, stage=1, offload=None, micro_batch=8, world_size=2,
                              accumulation=2)
+    # without accumulation DeepSpeed's own boundaries hold: its setting is passed on
+    done = zero_config.complete(config, stage=1, offload=None, micro_batch=8, world_size=2,
+                                accumulation=1)
+    assert done["zero_optimization"]["overlap_comm"] is True
 
 
 @pytest.mark.parametrize(("value", "clip"), [("auto", None), (0, None), (1.0, 1.0)])

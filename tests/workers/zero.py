@@ -139,6 +139,7 @@ def equivalence(tmp: str) -> dict[str, Any]:
         "zero2_hf": train("zero", stage=2, config=str(cfg_path)),
         "ddp_acc": train("ddp", k=2),
         "zero1_acc": train("zero", stage=1, k=2),
+        "zero2_offload_acc": train("zero", stage=2, k=2, offload="cpu"),
         "ddp_bf16": train("ddp", bf16=True, epochs=1),
         "zero2_bf16": train("zero", stage=2, bf16=True, epochs=1),
     }
