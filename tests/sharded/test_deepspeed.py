@@ -58,6 +58,15 @@ def test_zero_3_trains_as_distributed_and_save_model_gathers_its_weights(runs):
     assert all(v.numel() > 0 for v in result["zero3"]["saved"].values())
 
 
+def test_a_model_touched_before_its_first_forward_trains_the_same(runs):
+    # counted, loaded from its own state dict, moved and set to train() before the first
+    # forward (the engine is built at that forward, from what the touches left)
+    for rank, result in enumerate(runs):
+        _equal(result["zero2_touched"]["weights"], result["ddp"]["weights"], f"rank {rank}")
+        _close(result["zero3_touched"]["saved"], result["ddp_saved"]["saved"],
+               f"rank {rank}: ZeRO-3", 1e-5)
+
+
 def test_the_loops_clip_is_the_clipping_and_no_clip_means_none(runs):
     for rank, result in enumerate(runs):
         _close(result["zero1_clip"]["weights"], result["ddp_clip"]["weights"],

@@ -37,7 +37,8 @@ def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def train(kind: str, *, stage: int = 2, clip: float | None = None, k: int = 1,
           offload: str | None = None, config: Any = None, bf16: bool = False,
-          epochs: int = 2, save: str | None = None, shuffle: bool = True, schedule: bool = True) -> dict[str, Any]:
+          epochs: int = 2, save: str | None = None, shuffle: bool = True, schedule: bool = True,
+          touch: bool = False) -> dict[str, Any]:
     """The plain loop; ``kind``: "ddp" (distributed()) or "zero" (sharded(engine=...))."""
     from accel_ctx import accumulate, distributed, mixed_precision, save_model, sharded
 
@@ -53,6 +54,10 @@ def train(kind: str, *, stage: int = 2, clip: float | None = None, k: int = 1,
         if bf16:
             scopes.enter_context(mixed_precision("bf16"))
         model = _model()
+        if touch:  # what scripts do before the first forward: count, load, move, set the mode
+            assert sum(p.numel() for p in model.parameters()) == 1476
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()})
+            model.to("cpu").train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
         norms = []
@@ -132,6 +137,8 @@ def equivalence(tmp: str) -> dict[str, Any]:
         "zero2": train("zero", stage=2),
         "zero3": train("zero", stage=3, save=saved),
         "ddp_saved": train("ddp", save=str(Path(tmp) / "ddp.pt")),
+        "zero2_touched": train("zero", stage=2, touch=True),
+        "zero3_touched": train("zero", stage=3, touch=True, save=str(Path(tmp) / "z3t.pt")),
         "ddp_clip": train("ddp", clip=0.5),
         "zero2_clip": train("zero", stage=2, clip=0.5),
         "zero1_clip": train("zero", stage=1, clip=0.5),
