@@ -167,11 +167,23 @@ def build(job: Job, module: nn.Module, plan: ZeroPlan, session: Session) -> Zero
     _refuse_half(module)
     broadcast_from_rank0(job, module)  # every rank starts from rank 0's weights, as DDP
     groups = [list(group["params"]) for group in optimizer.param_groups]  # before DeepSpeed's
+    _own_world_group(job)
     ds, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, config=config,
                                        dist_init_required=False)
     engine = ZeroEngine(ds, module, optimizer, groups, _config.clipping(plan.config))
     _BY_OPTIMIZER[optimizer] = engine
     return engine
+
+
+def _own_world_group(job: Job) -> None:
+    """DeepSpeed reduces on its own copy of the world group, made with torch's default timeout
+    (30 minutes): made here with the job's, a stalled peer is named within distributed()'s
+    timeout as under DDP. DeepSpeed keeps it until the job releases its groups (``release``)."""
+    from deepspeed.utils import groups
+
+    if getattr(groups, "_WORLD_GROUP", None) is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(job.world_size)),
+                                             timeout=job.root.options.timeout)
 
 
 def _refuse_half(module: nn.Module) -> None:

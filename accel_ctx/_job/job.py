@@ -135,8 +135,10 @@ class Job:
         return device
 
     def nested(self, options: DistributedOptions) -> Job:
-        """The job of a ``distributed()`` nested in this one's: same group, its own options."""
-        return Job(self.launch, self.device, self.backend, options, self.root, self)
+        """The job of a ``distributed()`` nested in this one's: same group, its own options
+        (what it was not given, this job's)."""
+        return Job(self.launch, self.device, self.backend, options.under(self.options),
+                   self.root, self)
 
     def mesh_groups(self) -> list[Any]:
         """The process groups of the job's device meshes: the engines' own collectives."""
@@ -156,7 +158,18 @@ class Job:
                 # one per dimension with torch's "suboptimal" warning (torchtitan flattens too)
                 for dims in (names, names[1:]) if len(names) > 2 else (names,):
                     mesh[dims]._flatten()
+            self._own_timeout(mesh)
         return mesh
+
+    def _own_timeout(self, mesh: DeviceMesh) -> None:
+        """The mesh's subgroups wait as long as the job's group: torch makes them with its
+        default (30 minutes on gloo), and a stalled peer would hold the others that long."""
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        for group in mesh.get_all_groups():
+            if group is not world and group.size() > 1:
+                dist.distributed_c10d._set_pg_timeout(self.root.options.timeout, group)
 
     @property
     def mesh(self) -> DeviceMesh:

@@ -10,7 +10,7 @@ import difflib
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, TypedDict
 
@@ -74,6 +74,14 @@ class DistributedOptions:
     loss_parallel: bool = False
     """With ``tp``: the output layer's logits stay split on the vocabulary (a DTensor) and the
     loss and its backward compute on the shards (torch's ``loss_parallel()``, in the scope)."""
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    """The options the scope was given (a nested scope takes the others from the outer job's)."""
+
+    def under(self, outer: DistributedOptions) -> DistributedOptions:
+        """These options in a scope nested inside ``outer``'s: what this scope was not given
+        is the outer job's (``sharded()`` inside ``distributed(timeout=60)`` waits 60 s)."""
+        return replace(outer, **{name: getattr(self, name) for name in self.given},
+                       given=outer.given | self.given)
 
 
 class Options(TypedDict, total=False):
@@ -95,7 +103,7 @@ class Options(TypedDict, total=False):
     loss_parallel: bool
 
 
-OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions))
+OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions) if f.name != "given")
 _FLAGS = ("find_unused_parameters", "static_graph", "broadcast_buffers",
           "gradient_as_bucket_view", "sync_batchnorm", "even_batches", "debug")
 _SCHEMES = ("file://", "tcp://", "env://")
@@ -191,7 +199,7 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])
-    return DistributedOptions(**values)
+    return DistributedOptions(**values, given=frozenset(options))
 
 
 def check_nested(outer_device: torch.device, outer_backend: str | None,

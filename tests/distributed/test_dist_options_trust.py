@@ -81,6 +81,22 @@ def test_a_nested_scope_asking_for_what_the_outer_has_is_fine():
         pass
 
 
+def test_a_nested_scope_keeps_what_it_was_not_given_from_the_outer_one():
+    """`sharded()` inside `distributed(timeout=60)`: the waits inside (barriers, checkpoints,
+    an engine's own groups) read the job's options, which keep the outer scope's timeout and
+    debug flag; what the nested scope gives is its own."""
+    from accel_ctx import sharded
+    from accel_ctx._kernel import state as _state
+
+    with distributed(timeout=60, debug=True), sharded():
+        options = _state.current().job.options
+        assert options.timeout == timedelta(seconds=60) and options.debug
+        with distributed(find_unused_parameters=True, debug=False):
+            options = _state.current().job.options
+            assert options.timeout == timedelta(seconds=60)
+            assert options.find_unused_parameters and not options.debug
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 @pytest.mark.parametrize("world", ["1", "2"])
 def test_cuda_without_cuda_says_so(monkeypatch, tmp_path, world):

@@ -154,3 +154,17 @@ def test_resumable_resumes_a_deepspeed_run_from_its_last_checkpoint(tmp_path):
             assert second[rank][stage]["losses"] == straight["losses"][8:], stage
             assert second[rank][stage]["step"] == straight["step"] == 16
             _equal(second[rank][stage]["weights"], straight["weights"], f"ZeRO-{stage}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_rank_stalled_under_deepspeed_is_named_within_the_timeout(tmp_path, stage):
+    from .._timeouts import scaled
+    from ..workers.blame_trust import STALL_TIMEOUT
+
+    for rank, (kind, message, culprit, seconds) in enumerate(
+            spawn(w.stalled_under_deepspeed, 2, tmp_path, str(tmp_path), stage, timeout=300)):
+        assert kind == "DistributedError", (rank, kind, message)
+        assert culprit == 1, message
+        assert "rank 1 stopped answering at step 3, in forward" in message, message
+        if rank == 0:  # DeepSpeed's collectives wait distributed(timeout=), not 30 minutes
+            assert seconds < scaled(STALL_TIMEOUT + 45.0), seconds

@@ -223,3 +223,35 @@ def _dies_at_step_2() -> None:
     with distributed(timeout=scaled(LONG)):
         torch.manual_seed(0)
         _train(nn.Linear(4, 2), 6, stop=lambda s: state().rank == 1 and s == 2 and os._exit(3))
+
+
+class _SleepySplit(Sleepy):
+    """Sleepy with a layer before: colwise then rowwise, whose forward all-reduces over tp."""
+
+    def __init__(self, flag: Path, rank: int, step: int) -> None:
+        super().__init__(flag, rank, step)
+        self.up = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.up(x))
+
+
+def stalled_on_a_mesh(folder: str) -> tuple[str, str, Any, float]:
+    """Rank 1 of 4 stalls in its forward at step 3 under ``sharded(tp=2)``, whose collectives
+    run on the subgroups of a 2-D mesh: the others must give up within distributed()'s timeout
+    there too, and name it."""
+    from accel_ctx import sharded
+
+    flag = Path(folder) / "mesh-gave-up"
+
+    def scenario() -> None:
+        try:
+            with distributed(timeout=scaled(STALL_TIMEOUT)), sharded(
+                    tp=2, tp_plan={"up": "colwise", "lin": "rowwise"}):
+                torch.manual_seed(0)
+                _train(_SleepySplit(flag, 1, 3), 6)
+        finally:
+            if os.environ["RANK"] != "1":
+                flag.touch()
+
+    return _attempt(scenario)

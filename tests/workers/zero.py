@@ -363,3 +363,26 @@ def resumable_phase(root: str, phase: str) -> dict[str, Any]:
             weights, step = {}, 10
         out[stage] = {"losses": losses, "weights": weights, "step": step}
     return out
+
+
+def stalled_under_deepspeed(folder: str, stage: int) -> tuple[str, str, Any, float]:
+    """Rank 1 stalls in its forward at step 3 under ZeRO-``stage``: the others must give up
+    within distributed()'s timeout (DeepSpeed's own collectives too) and name it."""
+    from accel_ctx import distributed, sharded
+
+    from .._timeouts import scaled
+    from .blame_trust import STALL_TIMEOUT, Sleepy, _attempt, _train
+
+    flag = Path(folder) / f"gave-up-{stage}"
+
+    def scenario() -> None:
+        try:
+            with distributed(timeout=scaled(STALL_TIMEOUT)), sharded(engine="deepspeed",
+                                                                      stage=stage):
+                torch.manual_seed(0)
+                _train(Sleepy(flag, 1, 3), 6)
+        finally:
+            if os.environ["RANK"] != "1":
+                flag.touch()  # the stalled rank may go on now
+
+    return _attempt(scenario)
