@@ -166,10 +166,13 @@ class Job:
         default (30 minutes on gloo), and a stalled peer would hold the others that long."""
         import torch.distributed as dist
 
+        set_timeout: Any = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # private
+        if set_timeout is None:
+            return
         world = dist.group.WORLD
         for group in mesh.get_all_groups():
             if group is not world and group.size() > 1:
-                dist.distributed_c10d._set_pg_timeout(self.root.options.timeout, group)
+                set_timeout(self.root.options.timeout, group)
 
     @property
     def mesh(self) -> DeviceMesh:
