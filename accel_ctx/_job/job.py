@@ -19,6 +19,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,8 +138,10 @@ class Job:
     def nested(self, options: DistributedOptions) -> Job:
         """The job of a ``distributed()`` nested in this one's: same group, its own options
         (what it was not given, this job's)."""
-        return Job(self.launch, self.device, self.backend, options.under(self.options),
-                   self.root, self)
+        # sharded() inside distributed(timeout=60) waits 60 s, as the group it shares does
+        own = {name: getattr(options, name) for name in options.given}
+        merged = replace(self.options, **own, given=self.options.given | options.given)
+        return Job(self.launch, self.device, self.backend, merged, self.root, self)
 
     def mesh_groups(self) -> list[Any]:
         """The process groups of the job's device meshes: the engines' own collectives."""

@@ -10,7 +10,7 @@ import difflib
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypedDict
 
@@ -74,14 +74,7 @@ class DistributedOptions:
     loss_parallel: bool = False
     """With ``tp``: the output layer's logits stay split on the vocabulary (a DTensor) and the
     loss and its backward compute on the shards (torch's ``loss_parallel()``, in the scope)."""
-    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
-    """The options the scope was given (a nested scope takes the others from the outer job's)."""
-
-    def under(self, outer: DistributedOptions) -> DistributedOptions:
-        """These options in a scope nested inside ``outer``'s: what this scope was not given
-        is the outer job's (``sharded()`` inside ``distributed(timeout=60)`` waits 60 s)."""
-        return replace(outer, **{name: getattr(self, name) for name in self.given},
-                       given=outer.given | self.given)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # Job.nested
 
 
 class Options(TypedDict, total=False):
@@ -231,9 +224,8 @@ DEVICE_VARIABLE = "ACCEL_CTX_DEVICE"
 _PER_TASK_VARS = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES")
 
 
-def gpu_sharing_problem(
-    local_world_size: int, device_count: int, env: Mapping[str, str]
-) -> str | None:
+def gpu_sharing_problem(local_world_size: int, device_count: int, env: Mapping[str, str]
+                        ) -> str | None:
     """Why this node's ranks would share GPUs (NCCL's "Duplicate GPU detected"), or None.
 
     Each local rank takes ``cuda:LOCAL_RANK``: more processes than GPUs on the node cannot work,
