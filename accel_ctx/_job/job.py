@@ -169,7 +169,8 @@ class Job:
         default (30 minutes on gloo), and a stalled peer would hold the others that long."""
         import torch.distributed as dist
 
-        set_timeout: Any = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # private
+        set_timeout: Any = getattr(dist.distributed_c10d, "set_timeout", None) or getattr(
+            dist.distributed_c10d, "_set_pg_timeout", None)  # public from torch 2.14
         if set_timeout is None:
             return
         world = dist.group.WORLD
