@@ -67,6 +67,7 @@ def _child(
     # not the "forkserver" multiprocessing leaves as this child's default: DataLoader workers
     # fork from the rank as they would there, instead of each importing torch anew.
     mp.set_start_method(None, force=True)
+    faulthandler.enable(all_threads=True)  # a rank that dies of a signal says where (SIGSEGV)
     stacks_after = float(env.get(STACKS_ENV, "0"))
     if stacks_after > 0:  # a rank still running then prints where it is, before it is killed
         faulthandler.dump_traceback_later(stacks_after, exit=False)
