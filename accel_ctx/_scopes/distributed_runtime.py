@@ -34,14 +34,7 @@ from .._job.progress import AFTER_BACKWARD, AFTER_FORWARD, AFTER_STEP, BACKWARD,
 from .._job.tp_plan import TensorPlan
 from .._kernel import state as _state
 from .._kernel.checkpoint_form import CheckpointForm
-from .._kernel.concern import (
-    NOT_FAST,
-    Concern,
-    Engine,
-    FastForward,
-    ForwardCall,
-    Params,
-)
+from .._kernel.concern import NOT_FAST, Concern, Engine, FastForward, ForwardCall, Params
 from .._kernel.order import ORDER
 from .._kernel.session import Session
 

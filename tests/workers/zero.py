@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -210,23 +211,17 @@ def refusals() -> dict[str, str]:
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.1)
             opt.step()
 
-    def fp16() -> None:
-        from accel_ctx import mixed_precision
+    def first_call_under(policy: str) -> Callable[[], None]:
+        def scenario() -> None:
+            from accel_ctx import mixed_precision
 
-        with distributed(), sharded(engine="deepspeed"), mixed_precision("fp16"):
-            model = _model()
-            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-            model(torch.randn(2, 8)).sum().backward()
-            del opt
+            with distributed(), sharded(engine="deepspeed"), mixed_precision(policy):
+                model = _model()
+                opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+                model(torch.randn(2, 8)).sum().backward()
+                del opt
 
-    def true_half() -> None:
-        from accel_ctx import mixed_precision
-
-        with distributed(), sharded(engine="deepspeed"), mixed_precision("bf16-true"):
-            model = _model()
-            opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-            model(torch.randn(2, 8)).sum().backward()
-            del opt
+        return scenario
 
     def rank_only_zero3() -> None:
         from accel_ctx import on_main_process
@@ -253,11 +248,20 @@ def refusals() -> dict[str, str]:
     for name, fn in [("no_optimizer", no_optimizer), ("two_optimizers", two_optimizers),
                      ("contradicting_accumulation", contradicting_accumulation),
                      ("config_clips_loop_does_not", config_clips_loop_does_not),
-                     ("value_clip", value_clip), ("fp16", fp16), ("true_half", true_half),
+                     ("value_clip", value_clip), ("fp16", first_call_under("fp16")),
+                     ("true_half", first_call_under("bf16-true")),
                      ("rank_only_zero3", rank_only_zero3), ("tensor_parallel", tensor_parallel),
                      ("norm_type", norm_type)]:
         record(name, fn)
     return said
+
+
+def _checkpointed_objects() -> tuple[nn.Module, torch.optim.Optimizer, Any, DataLoader[Any]]:
+    """What the checkpoint loops save and load: the model, AdamW, StepLR, a shuffled loader."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, sched, DataLoader(_data(), batch_size=BATCH, shuffle=True)
 
 
 def _ckpt_loop(stage: int, offload: str | None, folder: str, phase: str) -> dict[str, Any]:
@@ -267,10 +271,7 @@ def _ckpt_loop(stage: int, offload: str | None, folder: str, phase: str) -> dict
 
     torch.manual_seed(0)
     with distributed(), sharded(engine="deepspeed", stage=stage, offload=offload):
-        model = _model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+        model, opt, sched, loader = _checkpointed_objects()
         epochs = range(2)
         if phase == "second":
             load_state(folder, model=model, optimizer=opt, scheduler=sched, loader=loader)
@@ -321,10 +322,7 @@ def _load_under_ddp(folder: str) -> dict[str, Any]:
     from accel_ctx import distributed, load_state
 
     with distributed():
-        model = _model()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
-        loader = DataLoader(_data(), batch_size=BATCH, shuffle=True)
+        model, opt, sched, loader = _checkpointed_objects()
         load_state(folder, model=model, optimizer=opt, scheduler=sched, loader=loader)
         steps = [float(s["step"]) for s in opt.state_dict()["state"].values()]
         return {"weights": _weights(model), "steps": steps, "lr": sched.get_last_lr()}
