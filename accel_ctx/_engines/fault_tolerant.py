@@ -8,11 +8,11 @@ gradients DDP averaged in the group are averaged over the quorum (``Manager.allr
 ``opt.step()`` runs only when ``Manager.should_commit()`` says every group's part succeeded; a
 step whose collective failed is not committed nor counted, and the survivors go on.
 
-A step's quorum is asked for before its first batch (or at its first forward) and forms while
-the batch is fetched and the forward and backward run (torchft's asynchronous quorum); it is
-taken before the first collective. A group's first quorum, and the next after a pause (it may
-have been left out), form before the batch, so that a healing group's DataLoader continues at
-its peers' position; the first waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every group.
+A step's quorum is asked for at its first batch or forward and forms beside the fetch, forward
+and backward (torchft's asynchronous quorum). A group's first quorum, and the next after a pause,
+form before the batch: a healing group's DataLoader continues at its peers' position. The first
+waits up to ``ACCEL_CTX_REPLICA_TIMEOUT`` (30 s) for every group while none stepped past the
+start (0, or the step a whole job's restart resumed from).
 
 At each new quorum id (every member reads it alike) the groups compare their scripts, models,
 sizes and data (``replica_check``) before any gradient is averaged. A group whose quorum id
@@ -113,13 +113,13 @@ class ReplicaGroupRuntime(Concern):
         if first:
             self._gathering = True  # the groups arriving at the start: no line for each
             while (len(self._members | self._refused) < self.groups
-                   and self.manager.current_step() == 0
+                   and self.manager.current_step() == before  # none stepped on: wait
                    and time.monotonic() - began < self._timeout.total_seconds()):
                 time.sleep(0.2)  # the others are still starting: a step with all of them
                 self._start()
             self._gathering = False
             missing = sorted(set(range(self.groups)) - self._members - self._refused)
-            if missing and self.manager.current_step() == 0:
+            if missing and self.manager.current_step() == before:
                 self._say(_events.missing(missing, len(self._members), self.address))
         step = int(self.manager.current_step())
         if step > before and self.healing.source >= 0:

@@ -19,6 +19,8 @@ only = int(sys.argv[5]) if len(sys.argv) > 5 else None
 # alone, a group steps on until the other is back (a refused one does not come back)
 deadline = time.monotonic() + (240 if place == "shared" else 0)
 restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if restart and os.environ.get("REPLICA_GROUP_ID") == "1":
+    time.sleep(3)  # back later than group 0: the restarted job still steps with both groups
 torch.manual_seed(0)
 data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
 
@@ -42,6 +44,9 @@ with distributed():
                 opt.step()
                 opt.zero_grad()
                 if restart == 0 and state().step == kill_at and only in (None, group):
+                    # the save of step 3 runs beside the steps: killed once it is whole
+                    while not any(n.startswith("ckpt-") for n in os.listdir(folder)):
+                        time.sleep(0.05)
                     os.kill(os.getpid(), signal.SIGKILL)
                 if state().replica_groups < 2:
                     time.sleep(0.2)
