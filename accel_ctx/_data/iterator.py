@@ -14,6 +14,7 @@ from .._kernel import state as _state
 from .._kernel.session import LoaderIteration
 from . import eval_passes as _eval_passes
 from . import records as _records
+from .sequence_split import split_batch
 from .shard import EMPTY as _EMPTY
 from .shard import ShardedIndices as _ShardedIndices
 from .shard import ShardPlan
@@ -55,6 +56,7 @@ class ScopedIterator:
         self._pass = loader_pass
         self._device = device if device is not None and device.type != "cpu" else None
         self._move = BatchMover(self._device, pin_memory) if self._device is not None else None
+        self._sequence = job.sequence if job is not None else None  # sp=: slice the sequences
         self._length = length
         # even_batches=False: the ranks' last batches differ; every rank ends its accumulation
         # group with the complete rounds, and the incomplete round runs under DDP's Join
@@ -116,6 +118,8 @@ class ScopedIterator:
         self._record.yielded += 1
         if self._move is not None:  # pinned batches: non-blocking, on a side stream
             batch = self._move(batch)
+        if self._sequence is not None:
+            batch = split_batch(self._sequence, batch)
         return batch
 
     def _judge_pass(self) -> None:

@@ -48,7 +48,7 @@ def position(loader: DataLoader[Any], name: str | None, yields: list[int]) -> di
     if yields and plan.world > len(yields) and plan.world % len(yields) == 0:
         # replica groups: the plan spans every group, and each stands where this one does
         yields = yields * (plan.world // len(yields))
-    tp = _state.coordinates().tp_size  # the ranks of a tensor-parallel group share batches
+    tp = _state.coordinates().sharers  # the ranks of a tp or sp group share batches
     consumed = plan.skip + sum(yields[::tp] if tp > 1 and len(yields) % tp == 0 else yields)
     end = plan.end(total) if total is not None else None  # drop_last: full rounds only
     if end is not None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from .._data import iterate as _data
 from .._engines import ddp_keys as _ddp_keys
+from .._engines import ulysses as _ulysses
 from .._kernel import state as _state
 from .._kernel.concern import NOT_FAST, ForwardCall
 from . import tracing as _tracing
@@ -43,6 +44,7 @@ class _Stock:
     def __init__(self) -> None:
         self.module_call: Callable[..., Any] = _not_installed  # nn.Module.__call__
         self.backward: Callable[..., Any] = _not_installed  # torch.Tensor.backward
+        self.attention: Callable[..., Any] = _not_installed  # F.scaled_dot_product_attention
 
 
 stock = _Stock()
@@ -215,3 +217,20 @@ def loader_len(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     if stack is None:
         return wrapped(*args, **kwargs)
     return _data.scoped_len(stack, instance, wrapped)
+
+
+# ------------------------------------------------------------------------------------------------
+# attention, under sp= (installed only while a sequence-parallel scope is open)
+# ------------------------------------------------------------------------------------------------
+def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention``: Ulysses over the sequence-parallel ranks of this
+    thread's job (``_engines.ulysses``), else torch's own."""
+    stack = _state.current()
+    job = stack.job if stack is not None else None
+    share = job.sequence if job is not None else None
+    if job is None or share is None or _state.rank_only() is not None:
+        return stock.attention(query, key, value, *args, **kwargs)  # type: ignore[no-any-return]
+    share.attended += 1
+    return _ulysses.attention(stock.attention, share.group, share.size, query, key, value,
+                              *args, **kwargs)

@@ -115,12 +115,43 @@ def acquire() -> None:
 
 def _forget_in_forked_child() -> None:
     """A forked child (DataLoader worker, launch()) has none of its parent's scopes open."""
-    global _users, _lock
+    global _users, _lock, _attention_users
     _lock = threading.RLock()  # the parent's may have been held by a thread that is gone
+    if _attention_users:
+        _attention_users = 0
+        with contextlib.suppress(PatchConflictError):
+            _attention.uninstall()
     if _users:
         _users = 0
         with contextlib.suppress(PatchConflictError):
             _uninstall()
+
+
+# F.scaled_dot_product_attention: only while a sequence-parallel scope is open (a compiled
+# model in any other scope traces torch's own function)
+_attention_users = 0
+_attention = _AttributePatch(torch.nn.functional, "scaled_dot_product_attention",
+                             _gates.scaled_dot_product_attention)
+
+
+def acquire_attention() -> None:
+    """Route ``F.scaled_dot_product_attention`` through Ulysses (``_gates``), first user first."""
+    global _attention_users
+    with _lock:
+        if _attention_users == 0:
+            _attention.original = torch.nn.functional.__dict__["scaled_dot_product_attention"]
+            _gates.stock.attention = _attention.original
+            _attention.install()
+        _attention_users += 1
+
+
+def release_attention() -> None:
+    """Put torch's own attention back when the last sequence-parallel scope closes."""
+    global _attention_users
+    with _lock:
+        _attention_users -= 1
+        if _attention_users == 0:
+            _attention.uninstall()
 
 
 _state.reset_after_fork(_forget_in_forked_child)

@@ -9,6 +9,8 @@ Examples:
     >>> split = where.with_tensor_parallel(2)  # tp innermost: consecutive ranks form a TP group
     >>> split.dp_rank, split.dp_size, split.tp_rank, split.tp_size
     (1, 2, 1, 2)
+    >>> where.with_sequence_parallel(2).sp_rank, where.with_sequence_parallel(4).sharers
+    (1, 4)
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ class Coordinates:
     num_nodes: int = 1
     """Machines in the job."""
     dp_rank: int = 0
-    """Index among the ranks that split the data: ``rank // tp_size`` (the rank itself without
-    tensor parallelism)."""
+    """Index among the ranks that split the data: ``rank // tp_size`` (or ``// sp_size``; the
+    rank itself without tensor or sequence parallelism)."""
     dp_size: int = 1
     """Ranks that split the data: ``world_size // tp_size``."""
     tp_rank: int = 0
@@ -42,6 +44,15 @@ class Coordinates:
     ranks)."""
     tp_size: int = 1
     """Ranks that split each layer's weights (``tp=`` of ``sharded()``/``distributed()``)."""
+    sp_rank: int = 0
+    """Which slice of each sequence this rank holds (``rank % sp_size``: consecutive ranks)."""
+    sp_size: int = 1
+    """Ranks that split each sequence (``sp=`` of ``sharded()``/``distributed()``)."""
+
+    @property
+    def sharers(self) -> int:
+        """Ranks that work on one batch (a tensor- or sequence-parallel group): one counts it."""
+        return self.world_size // self.dp_size
 
     def as_dict(self) -> dict[str, int]:
         """The fields by name (what ``state()`` shows of them)."""
@@ -53,6 +64,12 @@ class Coordinates:
         ``tp`` must divide the world size (checked by the caller, who can name the fix)."""
         return replace(self, dp_rank=self.rank // tp, dp_size=self.world_size // tp,
                        tp_rank=self.rank % tp, tp_size=tp)
+
+    def with_sequence_parallel(self, sp: int) -> Coordinates:
+        """These coordinates with sequence-parallel groups of ``sp`` consecutive ranks: each
+        holds a slice of every sequence of its group's batches (``sp`` divides the world)."""
+        return replace(self, dp_rank=self.rank // sp, dp_size=self.world_size // sp,
+                       sp_rank=self.rank % sp, sp_size=sp)
 
     @classmethod
     def of(cls, rank: int = 0, world_size: int = 1, local_rank: int | None = None,

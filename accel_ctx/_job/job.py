@@ -31,6 +31,7 @@ from .coordinates import Coordinates
 from .heartbeat import Heartbeat
 from .options import DistributedOptions
 from .progress import Progress
+from .sequence import SequenceShare
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -95,8 +96,15 @@ class Job:
         # for (a nested scope that does not ask keeps the outer job's split)
         tp = options.tp if options.tp is not None else (
             outer.coordinates.tp_size if outer is not None else 1)
-        self.coordinates: Coordinates = (launch.coordinates if tp == 1
-                            else _split(launch.coordinates, tp))
+        sp = options.sp if options.sp is not None else (
+            outer.coordinates.sp_size if outer is not None else 1)
+        self.coordinates: Coordinates = (_split(launch.coordinates, tp) if tp > 1
+                                         else _split(launch.coordinates, sp, "sp") if sp > 1
+                                         else launch.coordinates)
+        # sp: what the loader's split made of the current batch (one record for the job)
+        self.sequence: SequenceShare | None = (
+            None if sp == 1 else root.sequence if root is not None and root.sequence is not None
+            else SequenceShare(sp, self.coordinates.sp_rank))
         self.debug = options.debug or os.environ.get(_env.DEBUG_VAR, "") not in ("", "0")
         # where this rank is (step, phase), for the other ranks' failure messages (_blame)
         self.progress: Progress = root.progress if root is not None else Progress()
@@ -181,10 +189,24 @@ class Job:
     @property
     def mesh(self) -> DeviceMesh:
         """The data-parallel device mesh ``("dp",)``, built on first use: over the job, or the
-        "dp" dimension of :attr:`tp_mesh` under tensor parallelism."""
+        "dp" dimension of :attr:`tp_mesh` under tensor parallelism. Under sequence parallelism
+        it spans every rank: the gradients average over the sequences' slices too."""
         if self.coordinates.tp_size > 1:
             return self.tp_mesh["dp"]
-        return self._cached_mesh(("dp", 1), (self.coordinates.dp_size,), ("dp",))
+        return self._cached_mesh(("dp", 1), (self.gradient_ranks,), ("dp",))
+
+    @property
+    def gradient_ranks(self) -> int:
+        """The ranks a gradient averages over: the data-parallel ones, times sp."""
+        return self.coordinates.dp_size * self.coordinates.sp_size
+
+    @property
+    def sp_group(self) -> Any:
+        """The process group of this rank's sequence-parallel ranks (built on first use)."""
+        where = self.coordinates
+        mesh = self._cached_mesh(("dp,sp", where.sp_size), (where.dp_size, where.sp_size),
+                                 ("dp", "sp"))
+        return mesh.get_group("sp")
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -223,7 +245,7 @@ class Job:
         data-parallel rank, else ``("replicate", "shard")``: copies of ``shard_size`` ranks each
         (HSDP; under tensor parallelism the first two dimensions of :meth:`tp_mesh_for`), built
         on first use."""
-        size = self.coordinates.dp_size
+        size = self.gradient_ranks
         if shard_size is None or shard_size == size:
             return self.mesh
         if self.coordinates.tp_size > 1:
@@ -240,16 +262,18 @@ class Job:
                 f"split into groups of {shard_size}; give a divisor of {size}.")
 
 
-def _split(where: Coordinates, tp: int) -> Coordinates:
-    """``where`` with tensor-parallel groups of ``tp``; refused when they cannot be formed."""
+def _split(where: Coordinates, tp: int, name: str = "tp") -> Coordinates:
+    """``where`` with tensor- (or sequence-) parallel groups of ``tp``; refused when they
+    cannot be formed."""
     if where.world_size % tp:
         fits = [n for n in range(1, where.world_size + 1) if where.world_size % n == 0]
+        kind = "tensor" if name == "tp" else "sequence"
         raise ConfigurationError(
-            f"tp={tp}: the {where.world_size} processes of this job cannot form tensor-parallel "
+            f"{name}={tp}: the {where.world_size} processes of this job cannot form {kind}-parallel "
             f"groups of {tp} ranks each. Start a multiple of {tp} processes "
-            f"(accel-ctx launch -n {tp * max(1, where.world_size // tp)}), or give tp a divisor "
+            f"(accel-ctx launch -n {tp * max(1, where.world_size // tp)}), or give {name} a divisor "
             f"of {where.world_size} ({', '.join(map(str, fits))}).")
-    return where.with_tensor_parallel(tp)
+    return where.with_tensor_parallel(tp) if name == "tp" else where.with_sequence_parallel(tp)
 
 
 # Jobs formed in this process and still open, in any thread (outermost first). Rank and world

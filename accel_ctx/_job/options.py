@@ -22,6 +22,7 @@ from ..errors import ConfigurationError, LaunchEnvironmentError
 from . import comm_hook as _comm_hook
 from . import env as _env
 from .comm_hook import PowerSGD
+from .sequence import parse_sp
 from .tp_plan import tp_options
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -74,6 +75,9 @@ class DistributedOptions:
     loss_parallel: bool = False
     """With ``tp``: the output layer's logits stay split on the vocabulary (a DTensor) and the
     loss and its backward compute on the shards (torch's ``loss_parallel()``, in the scope)."""
+    sp: int | None = None
+    """Sequence parallelism (Ulysses): groups of this many consecutive ranks split each sequence;
+    attention runs over the whole sequence for 1/sp of the heads (``state().dp_size`` = world / sp)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # Job.nested
 
 
@@ -94,6 +98,7 @@ class Options(TypedDict, total=False):
     tp: int | None
     tp_plan: Mapping[str, Any] | None
     loss_parallel: bool
+    sp: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions) if f.name != "given")
@@ -143,34 +148,27 @@ def _backend(value: Any) -> str | None:
 
 
 def _device(value: Any) -> str | None:
-    if value is None:
-        return None
     fix = "give a device like 'cpu', 'cuda', 'cuda:1' or 'mps', or None to pick the best one."
-    if not isinstance(value, (str, torch.device)):
+    if value is not None and not isinstance(value, (str, torch.device)):
         raise _bad("device", value, fix)
     try:
-        return str(torch.device(value))
+        return None if value is None else str(torch.device(value))
     except (RuntimeError, ValueError):
         raise _bad("device", value, fix) from None
 
 
 def _init_method(value: Any) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str) or not value.startswith(_SCHEMES):
+    if value is not None and (not isinstance(value, str) or not value.startswith(_SCHEMES)):
         raise _bad("init_method", value, "give a rendezvous URL: 'file:///shared/path', "
                    "'tcp://host:port' or 'env://', or None to use MASTER_ADDR/MASTER_PORT.")
     return value
 
 
 def _bucket_cap(value: Any) -> float | None:
-    if value is None:
-        return None
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not math.isfinite(value) or value <= 0:
-        raise _bad("bucket_cap_mb", value,
-                   "give a positive number of MiB (DDP's default is 25), or None.")
-    return float(value)
+    if value is not None and (not ok or not math.isfinite(value) or value <= 0):
+        raise _bad("bucket_cap_mb", value, "give a positive number of MiB (DDP's default is 25), or None.")
+    return None if value is None else float(value)
 
 
 def parse_options(options: Mapping[str, Any], call: str = "distributed",
@@ -189,6 +187,7 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
     values.update(tp_options(values, call))
+    values["sp"] = parse_sp(values.get("sp"), values.get("tp"), call)
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])

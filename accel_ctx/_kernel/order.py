@@ -15,6 +15,7 @@ from __future__ import annotations
 ORDER: dict[str, int] = {
     "fp8": -10,  # mixed_precision("fp8"): Linear layers converted before DDP or FSDP2 wraps them
     "distributed": 0,  # the engine: DDP, FSDP2, tensor parallelism
+    "sequence": 2,  # sp=: positions and labels of the slices before resumable() sees a call
     "resume": 5,  # resumable(): after the engine adopted a model, before accumulation
     "accumulate": 10,
     "sync": 20,  # no_sync()

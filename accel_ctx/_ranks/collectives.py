@@ -127,8 +127,8 @@ def gather(tensors: T) -> T:
     d = describe(tensors, "gather()", free_dim=0, batches=True, travel=travel_type(job))
     _debug.check(job, "gather()", d.tensors, free_dim=0)
     heads = exchange(job, d, "gather()", 0, meta_device(job), _ADVICE)
-    # the tp ranks of one data-parallel group hold the same batch: its tp rank 0 speaks for it
-    tp = job.coordinates.tp_size
+    # the tp (or sp) ranks of one data-parallel group hold the same batch: the first speaks
+    tp = job.coordinates.sharers
     keep = [r % tp == 0 for r in range(job.world_size)] if tp > 1 else None
     gathered = [gather_tensor(job, t, [r[i] for r in heads.free], keep)
                 for i, t in enumerate(d.tensors)]

@@ -74,7 +74,7 @@ def gather_for_metrics(obj: T) -> T:
     iteration = stack.session.active_loader()
     padding = iteration is not None and iteration.is_padding
     # The ranks of a tensor-parallel group evaluate the same batch: one of them speaks for it.
-    padding = padding or job.coordinates.tp_rank != 0
+    padding = padding or job.coordinates.rank % job.coordinates.sharers != 0
     if iteration is not None and iteration.uneven is not None:
         iteration.uneven.note_gather(obj, iteration.index, _gather)  # even_batches=False: see _join
     if iteration is not None and _sampler_padded(iteration):

@@ -51,7 +51,7 @@ def reduce_tensors(job: Job, described: Described, op: str, device: torch.device
     rows = header(job, described, device, advice, inline=values)
     if not inline:
         return _native(job, leaves, op)
-    tp = job.coordinates.tp_size
+    tp = job.coordinates.sharers
     data = torch.tensor([row[FIXED:FIXED + numel] for r, row in enumerate(rows) if r % tp == 0],
                         dtype=torch.int64)
     results, offset = [], 0
@@ -63,8 +63,8 @@ def reduce_tensors(job: Job, described: Described, op: str, device: torch.device
 
 
 def counted(job: Job) -> bool:
-    """Whether this rank's values count: one rank per data-parallel group (its tp rank 0)."""
-    return job.coordinates.tp_rank == 0
+    """Whether this rank's values count: one rank per data-parallel group (its tp or sp rank 0)."""
+    return job.coordinates.rank % job.coordinates.sharers == 0
 
 
 def _identity(t: torch.Tensor, op: str) -> torch.Tensor:

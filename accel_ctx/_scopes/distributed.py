@@ -18,7 +18,9 @@ from .._engines import zero as _zero
 from .._engines.adopt import release_all
 from .._engines.choice import Plan
 from .._engines.loss_parallel import loss_parallel_on
+from .._engines.sequence_parallel import SequenceParallelRuntime
 from .._group.group import start_job
+from .._hooks.patches import acquire_attention, release_attention
 from .._hooks.scope import Scope
 from .._job import comm_hook as _comm_hook
 from .._job.job import Job
@@ -55,7 +57,7 @@ class distributed(Scope):
     Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
     ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
-    ``debug``, ``comm_hook`` (see :class:`DistributedOptions`).
+    ``debug``, ``comm_hook``, ``tp``, ``sp`` (see :class:`DistributedOptions`).
 
     Examples:
         >>> import torch
@@ -98,6 +100,11 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: Plan | Non
             tensor = outer_runtime.tensor
         _check_comm_hook(plan, options, outer.root.options)
         _comm_hook.check_device(options.comm_hook, outer.device)
+        if options.sp is not None and options.sp != outer.coordinates.sp_size:
+            raise ConfigurationError(
+                f"distributed(sp={options.sp}) is nested inside a scope whose job splits each "
+                f"sequence over sp={outer.coordinates.sp_size}; a nested scope cannot change it. "
+                "Pass sp= to the outermost scope, or drop it from the nested one.")
         job = outer.nested(options)
         _check_tensor(job, tensor, plan)
         return DistributedRuntime(job, plan, tensor)
@@ -106,10 +113,29 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: Plan | Non
     job = start_job(options, exits, on_job=_job_exits)
     _check_tensor(job, tensor, plan)
     runtime = DistributedRuntime(job, plan, tensor)
-    beside = runtime.engines.open(job, exits)  # the replica groups' Manager
+    beside = (*runtime.engines.open(job, exits), *_sequence(job, plan, exits))
     default = precision_from_env(job.device, exits)
     more = (*beside, default) if default is not None else beside
     return (runtime, *more) if more else runtime
+
+
+def _sequence(job: Job, plan: Plan | None, exits: ExitStack) -> tuple[Concern, ...]:
+    """``sp=N``: the runtime that fits each call to its slice, and attention through Ulysses."""
+    share = job.sequence
+    if share is None:
+        return ()
+    if isinstance(plan, _zero.ZeroPlan):
+        raise ConfigurationError(
+            f"sharded(engine='deepspeed', sp={share.size}): DeepSpeed's ZeRO with sequence "
+            "parallelism is not supported; use sharded(sp=...) (FSDP2) or distributed(sp=...).")
+    if job.launch.replica_groups > 1:
+        raise ConfigurationError(
+            f"distributed(sp={share.size}) under --replica-groups: sequence parallelism inside "
+            "fault-tolerant replica groups is not supported; drop sp= or --replica-groups.")
+    share.group = job.sp_group  # every rank makes the groups now, not in a traced forward
+    acquire_attention()
+    exits.callback(release_attention)
+    return (SequenceParallelRuntime(job, share),)
 
 
 def _job_exits(job: Job, exits: ExitStack) -> None:

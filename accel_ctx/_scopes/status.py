@@ -49,8 +49,9 @@ class State(Coordinates):
 
     Its first fields are the job's :class:`Coordinates` (``rank``, ``world_size``,
     ``local_rank``, ``local_world_size``, ``node_rank``, ``num_nodes``, ``dp_rank``,
-    ``dp_size``, ``tp_rank``, ``tp_size``: rank 0 of 1 outside ``distributed()``; under
-    ``tp=N`` the data-parallel fields count tensor-parallel groups); the scopes' settings follow.
+    ``dp_size``, ``tp_rank``, ``tp_size``, ``sp_rank``, ``sp_size``: rank 0 of 1 outside
+    ``distributed()``; under ``tp=N`` or ``sp=N`` the data-parallel fields count groups); the
+    scopes' settings follow.
     """
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where ``distributed()`` puts modules and batches."""

@@ -177,7 +177,7 @@ def test_a_class_find_of_another_folders_runtime_breaks_a_contract(tmp_path):
     said = " ".join((done.stdout + done.stderr).split())
     assert done.returncode != 0, said
     # the checkpoints' own contract sees the first too; nothing else breaks
-    assert "8 kept, 3 broken" in said, said
+    assert "9 kept, 3 broken" in said, said
     for contract in ("accumulate()'s and no_sync()'s runtimes are asked by capability, never by "
                      "their class BROKEN", "The replica groups' runtime is asked by capability, "
                      "never by its class BROKEN"):
