@@ -19,14 +19,19 @@ from torch.distributed import _functional_collectives as _funcol
 from ..errors import ConfigurationError
 
 
-def _check(size: int, query: torch.Tensor, key: torch.Tensor, attn_mask: Any) -> None:
+def refuse_mask(size: int, attn_mask: Any, name: str = "sp") -> None:
+    """A mask holds one slice's rows only: refused, naming the fix."""
     if attn_mask is not None:
         raise ConfigurationError(
-            f"sp={size}: scaled_dot_product_attention got an attn_mask, which holds this rank's "
-            "slice of the sequence only, not the whole sequence's attention. Under sp= attention "
-            "is causal or full without a mask: drop the attention mask (HF: pass no "
-            "attention_mask, or one of all ones; pack sequences with position_ids instead of "
-            "padding).")
+            f"{name}={size}: scaled_dot_product_attention got an attn_mask, which holds this "
+            "rank's slice of the sequence only, not the whole sequence's attention. Under "
+            f"{name}= attention is causal or full without a mask: drop the attention mask (HF: "
+            "pass no attention_mask, or one of all ones; pack sequences with position_ids "
+            "instead of padding).")
+
+
+def _check(size: int, query: torch.Tensor, key: torch.Tensor, attn_mask: Any) -> None:
+    refuse_mask(size, attn_mask)
     if query.dim() != 4:
         raise ConfigurationError(
             f"sp={size}: scaled_dot_product_attention got a query of shape {tuple(query.shape)}; "

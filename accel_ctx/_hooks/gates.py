@@ -23,6 +23,7 @@ from torch import nn
 
 from .._data import iterate as _data
 from .._engines import ddp_keys as _ddp_keys
+from .._engines import ring_attention as _ring
 from .._engines import ulysses as _ulysses
 from .._kernel import state as _state
 from .._kernel.concern import NOT_FAST, ForwardCall
@@ -225,12 +226,15 @@ def loader_len(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
 def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  *args: Any, **kwargs: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention``: Ulysses over the sequence-parallel ranks of this
-    thread's job (``_engines.ulysses``), else torch's own."""
+    thread's job (``_engines.ulysses``; ``cp=``: ring attention), else torch's own."""
     stack = _state.current()
     job = stack.job if stack is not None else None
     share = job.sequence if job is not None else None
     if job is None or share is None or _state.rank_only() is not None:
         return stock.attention(query, key, value, *args, **kwargs)  # type: ignore[no-any-return]
     share.attended += 1
+    if share.ring:  # cp=: torch's ring attention
+        return _ring.attention(stock.attention, share.mesh, share.size, query, key, value,
+                               *args, **kwargs)
     return _ulysses.attention(stock.attention, share.group, share.size, query, key, value,
                               *args, **kwargs)

@@ -96,7 +96,8 @@ class Job:
         # for (a nested scope that does not ask keeps the outer job's split)
         tp = options.tp if options.tp is not None else (
             outer.coordinates.tp_size if outer is not None else 1)
-        sp = options.sp if options.sp is not None else (
+        given = options.sp if options.sp is not None else options.cp
+        sp = given if given is not None else (
             outer.coordinates.sp_size if outer is not None else 1)
         self.coordinates: Coordinates = (_split(launch.coordinates, tp) if tp > 1
                                          else _split(launch.coordinates, sp, "sp") if sp > 1
@@ -104,7 +105,7 @@ class Job:
         # sp: what the loader's split made of the current batch (one record for the job)
         self.sequence: SequenceShare | None = (
             None if sp == 1 else root.sequence if root is not None and root.sequence is not None
-            else SequenceShare(sp, self.coordinates.sp_rank))
+            else SequenceShare(sp, self.coordinates.sp_rank, ring=(options.cp or 1) > 1))
         self.debug = options.debug or os.environ.get(_env.DEBUG_VAR, "") not in ("", "0")
         # where this rank is (step, phase), for the other ranks' failure messages (_blame)
         self.progress: Progress = root.progress if root is not None else Progress()
@@ -201,12 +202,12 @@ class Job:
         return self.coordinates.dp_size * self.coordinates.sp_size
 
     @property
-    def sp_group(self) -> Any:
-        """The process group of this rank's sequence-parallel ranks (built on first use)."""
+    def sp_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this rank's sequence-parallel ranks (the "sp" dimension of a
+        ("dp", "sp") mesh, built on first use)."""
         where = self.coordinates
-        mesh = self._cached_mesh(("dp,sp", where.sp_size), (where.dp_size, where.sp_size),
-                                 ("dp", "sp"))
-        return mesh.get_group("sp")
+        return self._cached_mesh(("dp,sp", where.sp_size), (where.dp_size, where.sp_size),
+                                 ("dp", "sp"))["sp"]
 
     @property
     def tp_mesh(self) -> DeviceMesh:

@@ -22,7 +22,7 @@ from ..errors import ConfigurationError, LaunchEnvironmentError
 from . import comm_hook as _comm_hook
 from . import env as _env
 from .comm_hook import PowerSGD
-from .sequence import parse_sp
+from .sequence import sequence_options
 from .tp_plan import tp_options
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -76,8 +76,9 @@ class DistributedOptions:
     """With ``tp``: the output layer's logits stay split on the vocabulary (a DTensor) and the
     loss and its backward compute on the shards (torch's ``loss_parallel()``, in the scope)."""
     sp: int | None = None
-    """Sequence parallelism (Ulysses): groups of this many consecutive ranks split each sequence;
-    attention runs over the whole sequence for 1/sp of the heads (``state().dp_size`` = world / sp)."""
+    """Sequence parallelism (Ulysses): groups of this many consecutive ranks split each sequence."""
+    cp: int | None = None
+    """Context parallelism: as ``sp``, attention by torch's ring attention (CUDA devices only)."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # Job.nested
 
 
@@ -99,6 +100,7 @@ class Options(TypedDict, total=False):
     tp_plan: Mapping[str, Any] | None
     loss_parallel: bool
     sp: int | None
+    cp: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions) if f.name != "given")
@@ -113,9 +115,8 @@ def _bad(name: str, value: Any, fix: str) -> ConfigurationError:
 
 def _timeout(value: Any) -> timedelta:
     fix = "give a positive, finite number of seconds or a timedelta (e.g. timeout=600)."
-    if isinstance(value, bool) or not isinstance(value, (int, float, timedelta)):
-        raise _bad("timeout", value, fix)
-    seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+    ok = not isinstance(value, bool) and isinstance(value, (int, float, timedelta))
+    seconds = math.nan if not ok else value.total_seconds() if isinstance(value, timedelta) else float(value)
     if not math.isfinite(seconds) or seconds <= 0:
         raise _bad("timeout", value, fix)
     try:
@@ -187,7 +188,7 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     values["bucket_cap_mb"] = _bucket_cap(values.get("bucket_cap_mb"))
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
     values.update(tp_options(values, call))
-    values["sp"] = parse_sp(values.get("sp"), values.get("tp"), call)
+    values.update(sequence_options(values, call))
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])

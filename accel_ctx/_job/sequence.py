@@ -13,6 +13,7 @@ Examples:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,28 +23,47 @@ from ..errors import ConfigurationError
 IGNORE_INDEX = -100  # what cross_entropy's ignore_index and HF's labels leave uncounted
 
 
-def parse_sp(sp: object, tp: object, call: str = "distributed") -> int | None:
-    """``sp`` checked: a positive int or None (``sp=1``: none)."""
+def parse_sp(sp: object, tp: object, call: str = "distributed", name: str = "sp") -> int | None:
+    """``sp`` (or ``cp``) checked: a positive int or None (1: none)."""
     if sp is None:
         return None
     if isinstance(sp, bool) or not isinstance(sp, int) or sp < 1:
         raise ConfigurationError(
-            f"{call}(sp={sp!r}): give the number of ranks that split each sequence (an int >= 1), "
-            "or leave sp out.")
+            f"{call}({name}={sp!r}): give the number of ranks that split each sequence (an int "
+            f">= 1), or leave {name} out.")
     if sp > 1 and isinstance(tp, int) and tp > 1:
         raise ConfigurationError(
-            f"{call}(sp={sp}, tp={tp}): sequence and tensor parallelism in one job are not "
-            "supported yet. Choose one: sp= splits each sequence (attention over the whole "
-            "sequence for a share of the heads), tp= splits each layer's weights.")
+            f"{call}({name}={sp}, tp={tp}): sequence and tensor parallelism in one job are not "
+            f"supported yet. Choose one: {name}= splits each sequence (attention over the whole "
+            "sequence), tp= splits each layer's weights.")
     return sp
+
+
+def sequence_options(values: Mapping[str, Any], call: str) -> dict[str, int | None]:
+    """The ``sp`` and ``cp`` options of ``call()``, checked: one of them, ``cp`` on CUDA only."""
+    tp = values.get("tp")
+    sp, cp = parse_sp(values.get("sp"), tp, call), parse_sp(values.get("cp"), tp, call, "cp")
+    if (sp or 1) > 1 and (cp or 1) > 1:
+        raise ConfigurationError(
+            f"{call}(sp={sp}, cp={cp}): give one: sp= runs Ulysses attention (any device), cp= "
+            "torch's ring attention (CUDA).")
+    device = str(values.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if (cp or 1) > 1 and not device.startswith("cuda"):
+        raise ConfigurationError(
+            f"{call}(cp={cp}): ring attention (torch's context_parallel) has CUDA kernels only, "
+            f"and this job runs on {device.split(':')[0]}. Use sp={cp}: the same split of every "
+            "sequence, attention by Ulysses all-to-alls, on any device.")
+    return {"sp": sp, "cp": cp}
 
 
 class SequenceShare:
     """This rank's part of the current batch: which tensors the split made, the whole length,
     every rank's counted tokens (labels, and labels shifted by one as HF's causal models count)."""
 
-    def __init__(self, size: int, rank: int) -> None:
+    def __init__(self, size: int, rank: int, ring: bool = False) -> None:
         self.size, self.rank = size, rank
+        self.ring = ring  # cp=: torch's ring attention on the mesh, not Ulysses on the group
+        self.mesh: Any = None  # cp=: the 1-D mesh of the sequence-parallel ranks
         self.length: int | None = None  # the whole sequence of the current batch
         # tensors the split made (by id: a tensor's == is elementwise), and per local labels
         # tensor, its slice of the labels shifted by one (HF's shift_labels)

@@ -13,6 +13,7 @@ from contextlib import ExitStack
 from typing_extensions import Unpack, override
 
 from .._data.eval_passes import last_verdict
+from .._engines import ring_attention as _ring
 from .._engines import tensor_parallel as _tensor_parallel
 from .._engines import zero as _zero
 from .._engines.adopt import release_all
@@ -100,9 +101,10 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: Plan | Non
             tensor = outer_runtime.tensor
         _check_comm_hook(plan, options, outer.root.options)
         _comm_hook.check_device(options.comm_hook, outer.device)
-        if options.sp is not None and options.sp != outer.coordinates.sp_size:
+        given = options.sp if options.sp is not None else options.cp
+        if given is not None and given != outer.coordinates.sp_size:
             raise ConfigurationError(
-                f"distributed(sp={options.sp}) is nested inside a scope whose job splits each "
+                f"distributed(sp={given}) is nested inside a scope whose job splits each "
                 f"sequence over sp={outer.coordinates.sp_size}; a nested scope cannot change it. "
                 "Pass sp= to the outermost scope, or drop it from the nested one.")
         job = outer.nested(options)
@@ -132,7 +134,10 @@ def _sequence(job: Job, plan: Plan | None, exits: ExitStack) -> tuple[Concern, .
         raise ConfigurationError(
             f"distributed(sp={share.size}) under --replica-groups: sequence parallelism inside "
             "fault-tolerant replica groups is not supported; drop sp= or --replica-groups.")
-    share.group = job.sp_group  # every rank makes the groups now, not in a traced forward
+    share.mesh = job.sp_mesh  # every rank makes the groups now, not in a traced forward
+    share.group = share.mesh.get_group()
+    if share.ring:
+        exits.enter_context(_ring.dispatching())
     acquire_attention()
     exits.callback(release_attention)
     return (SequenceParallelRuntime(job, share),)

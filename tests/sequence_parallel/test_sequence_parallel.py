@@ -13,6 +13,7 @@ from accel_ctx._job.sequence import SequenceShare
 from accel_ctx.errors import ConfigurationError
 
 from .._spawn import spawn
+from .._timeouts import scaled
 from ..workers import sequence_parallel as w
 from ..workers.tensor_parallel import has_transformers
 
@@ -194,3 +195,25 @@ def test_the_pages_example_gives_one_processes_loss(tmp_path):
     want = run_block(one, "one process", "last")
     for rank, last in enumerate(spawn(run_block, 2, tmp_path, code, block["where"], "last")):
         assert last == pytest.approx(want, abs=1e-5), rank
+
+
+# ---- faults ------------------------------------------------------------------------------------
+def test_a_peer_that_dies_before_the_attention_is_named_at_once(tmp_path):
+    import pickle
+
+    results = spawn(w.dead_peer, 2, tmp_path, timeout=120, expect_failure=True)
+    assert results[1] == "no result"  # it died
+    kind, message, seconds = pickle.loads(results[0])
+    assert kind == "DistributedError" and "rank 1's process died" in message, message
+    assert "while rank 0 was in forward" in message, message
+    assert seconds < scaled(20)  # not its 60 s timeout
+
+
+def test_a_peer_that_stalls_is_named_by_the_rank_that_waited_in_the_all_to_all(tmp_path):
+    import pickle
+
+    waited, stalled = (pickle.loads(r) for r in spawn(w.stalled_peer, 2, tmp_path, timeout=120,
+                                                        expect_failure=True))
+    assert waited[0] == "DistributedError" and "rank 1 stopped answering at step 2" in waited[1]
+    assert "rank 0 timed out waiting for it in forward" in waited[1], waited[1]
+    assert "This rank is the one named" in stalled[1], stalled[1]  # no blame on rank 0

@@ -145,13 +145,15 @@ def _scopes(kind: str, sp: int, precision: str | None = None
         stack.enter_context(sharded(sp=sp))
     elif kind == "distributed":
         stack.enter_context(distributed(sp=sp))
+    elif kind == "cp":  # ring attention: CUDA
+        stack.enter_context(distributed(cp=sp))
     if precision is not None:
         stack.enter_context(mixed_precision(precision))
     return stack
 
 
 def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone()
             for k, v in model.state_dict().items()}
 
 
@@ -344,3 +346,44 @@ def compiled() -> dict[str, Any]:
         step = torch.compile(model)
         losses, _ = _loop(step, DataLoader(Tokens(), batch_size=4, shuffle=True), 1)
     return {"losses": losses, "breaks": dict(counters["graph_break"])}
+
+
+def gpu_two_ranks() -> dict[str, Any]:
+    """On 2 GPUs (NCCL): ring attention (cp=2) and Ulysses (sp=2), the plain loop."""
+    return {"cp": train("cp", 4, epochs=1), "sp": train("distributed", 4, epochs=1)}
+
+
+def _peer_fault(fault: str) -> tuple[str, str, float]:
+    """Rank 1 dies (``dead``) or stalls past the timeout (``stalled``) before its second
+    forward; rank 0 meets it in the attention's all-to-all."""
+    import os
+    import time
+
+    from .._timeouts import scaled
+
+    start = time.monotonic()
+    try:
+        with distributed(sp=2, timeout=scaled(60) if fault == "dead" else scaled(6)):
+            model = TinyLM()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step, b in enumerate(DataLoader(Tokens(), batch_size=2)):
+                if step == 2 and state().rank == 1:
+                    time.sleep(scaled(1.5))  # its heartbeat has published where it is
+                    if fault == "dead":
+                        os._exit(3)
+                    time.sleep(scaled(12))  # past the 6 s timeout
+                F.cross_entropy(model(b["input_ids"]).reshape(-1, VOCAB),
+                                b["labels"].reshape(-1)).backward()
+                opt.step()
+                opt.zero_grad()
+        return ("ok", "", time.monotonic() - start)
+    except Exception as exc:
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+
+
+def dead_peer() -> tuple[str, str, float]:
+    return _peer_fault("dead")
+
+
+def stalled_peer() -> tuple[str, str, float]:
+    return _peer_fault("stalled")
