@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .ulysses import refuse_mask
+from .._job.sequence import mask_refusal
 
 
 @contextlib.contextmanager
@@ -44,7 +44,8 @@ def attention(stock: Callable[..., torch.Tensor], mesh: Any, size: int, query: t
     """``stock`` on DTensors sharded on the sequence (dimension 2): torch's ring attention."""
     from torch.distributed.tensor import DTensor, Shard
 
-    refuse_mask(size, attn_mask, "cp")
+    if attn_mask is not None:
+        raise mask_refusal(size, "cp")
     q, k, v = (DTensor.from_local(t.contiguous(), mesh, [Shard(2)], run_check=False)
                for t in (query, key, value))
     out = stock(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **more)

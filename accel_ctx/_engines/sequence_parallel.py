@@ -109,7 +109,9 @@ class SequenceParallelRuntime(Concern):
     def after_forward(self, call: ForwardCall, out: Any) -> Any:
         share = self.share
         name = type(getattr(call.module, "_orig_mod", call.module)).__name__
-        if share.attended == self._call_attended:
+        # a compiled attention counts nothing when it runs: a call on slices is taken to attend
+        attended = share.attended != self._call_attended or (share.traced and self._sliced)
+        if not attended:
             if self._sliced:
                 raise ConfigurationError(
                     f"sp={share.size}: {name} ran on slices of the sequences but called no "

@@ -23,8 +23,6 @@ from torch import nn
 
 from .._data import iterate as _data
 from .._engines import ddp_keys as _ddp_keys
-from .._engines import ring_attention as _ring
-from .._engines import ulysses as _ulysses
 from .._kernel import state as _state
 from .._kernel.concern import NOT_FAST, ForwardCall
 from . import tracing as _tracing
@@ -45,7 +43,6 @@ class _Stock:
     def __init__(self) -> None:
         self.module_call: Callable[..., Any] = _not_installed  # nn.Module.__call__
         self.backward: Callable[..., Any] = _not_installed  # torch.Tensor.backward
-        self.attention: Callable[..., Any] = _not_installed  # F.scaled_dot_product_attention
 
 
 stock = _Stock()
@@ -218,23 +215,3 @@ def loader_len(wrapped: Any, instance: Any, args: tuple[Any, ...], kwargs: dict[
     if stack is None:
         return wrapped(*args, **kwargs)
     return _data.scoped_len(stack, instance, wrapped)
-
-
-# ------------------------------------------------------------------------------------------------
-# attention, under sp= (installed only while a sequence-parallel scope is open)
-# ------------------------------------------------------------------------------------------------
-def scaled_dot_product_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 *args: Any, **kwargs: Any) -> torch.Tensor:
-    """``F.scaled_dot_product_attention``: Ulysses over the sequence-parallel ranks of this
-    thread's job (``_engines.ulysses``; ``cp=``: ring attention), else torch's own."""
-    stack = _state.current()
-    job = stack.job if stack is not None else None
-    share = job.sequence if job is not None else None
-    if job is None or share is None or _state.rank_only() is not None:
-        return stock.attention(query, key, value, *args, **kwargs)  # type: ignore[no-any-return]
-    share.attended += 1
-    if share.ring:  # cp=: torch's ring attention
-        return _ring.attention(stock.attention, share.mesh, share.size, query, key, value,
-                               *args, **kwargs)
-    return _ulysses.attention(stock.attention, share.group, share.size, query, key, value,
-                              *args, **kwargs)

@@ -46,6 +46,7 @@ from .._engines import touch as _touch
 from .._kernel import state as _state
 from .._steps import clip as _clip
 from ..errors import PatchConflictError
+from . import attention as _sdpa
 from . import gates as _gates
 from . import replacements as _replacements
 from . import step_gates as _step_gates
@@ -131,16 +132,16 @@ def _forget_in_forked_child() -> None:
 # model in any other scope traces torch's own function)
 _attention_users = 0
 _attention = _AttributePatch(torch.nn.functional, "scaled_dot_product_attention",
-                             _gates.scaled_dot_product_attention)
+                             _sdpa.scaled_dot_product_attention)
 
 
 def acquire_attention() -> None:
-    """Route ``F.scaled_dot_product_attention`` through Ulysses (``_gates``), first user first."""
+    """Route ``F.scaled_dot_product_attention`` through Ulysses (``_hooks.attention``)."""
     global _attention_users
     with _lock:
         if _attention_users == 0:
             _attention.original = torch.nn.functional.__dict__["scaled_dot_product_attention"]
-            _gates.stock.attention = _attention.original
+            _sdpa.stock = _attention.original
             _attention.install()
         _attention_users += 1
 

@@ -13,6 +13,9 @@ taken at trace time:
 - a top-level call with a scope open (a compiled function that calls the model): the graph
   breaks at that call, and the gates run eagerly, once, as for an uncompiled call.
 
+Under ``sp=`` the attention patch (``_hooks.attention``) is traced: its reads of the scope
+(``sequence_size``, ``sequence_group``) are constants at trace time, as the decision above.
+
 Eager calls are untouched (the replacement exists only for Dynamo). The decision is taken when
 the frame is traced and not guarded: a compiled function that calls a module both inside some
 forward and at the top level of the loop keeps the path of its first trace; compile the model
@@ -27,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._kernel import state as _state
+from . import attention as _attention
 
 registered = False
 """Whether Dynamo knows how to trace ``read_stack`` in this process (read per top-level call)."""
@@ -86,6 +90,9 @@ def register_if_dynamo_loaded() -> None:
 
     # A function that stands for itself, constant-folded: Dynamo calls it while tracing.
     substitute_in_graph(_gates_would_run, can_constant_fold_through=True)(_gates_would_run)
+    # sp=: the scope's facts for the attention patch, constants of the graph (_hooks.attention)
+    for fact in (_attention.sequence_size, _attention.sequence_group):
+        substitute_in_graph(fact, can_constant_fold_through=True)(fact)
 
     @substitute_in_graph(_state.read_stack, skip_signature_check=True)
     def _read_stack_while_tracing() -> Any:

@@ -56,6 +56,15 @@ def sequence_options(values: Mapping[str, Any], call: str) -> dict[str, int | No
     return {"sp": sp, "cp": cp}
 
 
+def mask_refusal(size: int, name: str = "sp") -> ConfigurationError:
+    """A mask holds one slice's rows only: refused, naming the fix."""
+    return ConfigurationError(
+        f"{name}={size}: scaled_dot_product_attention got an attn_mask, which holds this rank's "
+        f"slice of the sequence only, not the whole sequence's attention. Under {name}= attention "
+        "is causal or full without a mask: drop the attention mask (HF: pass no attention_mask, "
+        "or one of all ones; pack sequences with position_ids instead of padding).")
+
+
 class SequenceShare:
     """This rank's part of the current batch: which tensors the split made, the whole length,
     every rank's counted tokens (labels, and labels shifted by one as HF's causal models count)."""
@@ -72,6 +81,7 @@ class SequenceShare:
         self.counts: tuple[list[int], list[int]] | None = None  # per rank: labels, shifted
         self.uses_shifted = False  # this batch's loss counts the shifted labels (an HF model)
         self.attended = 0  # attention calls that ran Ulysses (a forward that ran none is told)
+        self.traced = False  # a compiled attention was traced (its calls count nothing)
         self.group: Any = None  # the sequence-parallel process group, made at the scope's entry
 
     def slice_of(self, length: int) -> tuple[int, int]:

@@ -217,3 +217,12 @@ def test_a_peer_that_stalls_is_named_by_the_rank_that_waited_in_the_all_to_all(t
     assert waited[0] == "DistributedError" and "rank 1 stopped answering at step 2" in waited[1]
     assert "rank 0 timed out waiting for it in forward" in waited[1], waited[1]
     assert "This rank is the one named" in stalled[1], stalled[1]  # no blame on rank 0
+
+
+def test_a_model_compiled_inside_sp_traces_its_attention_without_a_graph_break(tmp_path):
+    # the all-to-alls are traced with the attention: one graph, as the model outside a scope
+    want = w.train("one", 4, epochs=1)
+    for rank, got in enumerate(spawn(w.compiled, 2, tmp_path, timeout=400)):
+        assert got["breaks"] == {}, (rank, got["breaks"])
+        torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"]),
+                                   rtol=1e-5, atol=1e-5)
