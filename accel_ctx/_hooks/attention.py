@@ -17,6 +17,7 @@ all-to-alls stay in one graph. A traced call is counted once, at trace time
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -44,13 +45,23 @@ def _share() -> SequenceShare | None:
     return None if share is None or _state.rank_only() is not None else share
 
 
+def _tracing() -> bool:
+    """Whether Dynamo is tracing (it folds this module's reads then): torch 2.13's
+    ``is_compiling()`` says so; torch 2.11's only its tracing context does (torch-private)."""
+    if torch.compiler.is_compiling():
+        return True
+    guards = sys.modules.get("torch._guards")  # loaded with Dynamo: none, no tracing
+    context = getattr(getattr(guards, "TracingContext", None), "try_get", None)
+    return context is not None and context() is not None
+
+
 def sequence_size() -> int:
     """The ranks that split each sequence in this thread's scope (0: none, or rank-only code);
     a constant while Dynamo traces. Counts the attention call it is asked for."""
     share = _share()
     if share is None:
         return 0
-    if torch.compiler.is_compiling():
+    if _tracing():
         share.traced = True  # asked at trace time: the compiled calls count nothing
     else:
         share.attended += 1
