@@ -22,7 +22,8 @@ from .._job import env as _env
 from .._job.coordinates import Coordinates
 from .._job.heartbeat import Heartbeat
 from .._job.job import Job, close_process_job, open_process_job
-from .._job.options import DistributedOptions, check_backend, pick_backend, pick_device
+from .._job.options import DistributedOptions
+from .._job.placement import check_backend, pick_backend, pick_device
 from .._job.progress import FAILED, LEFT
 from .._kernel import state as _state
 from ..errors import DistributedError, LaunchEnvironmentError, RendezvousError

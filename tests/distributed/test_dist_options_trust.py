@@ -128,7 +128,7 @@ def test_cuda_without_cuda_says_so(monkeypatch, tmp_path, world):
     ],
 )
 def test_ranks_sharing_a_gpu_are_detected(local_world, gpus, env, shared):
-    from accel_ctx._job.options import gpu_sharing_problem
+    from accel_ctx._job.placement import gpu_sharing_problem
 
     problem = gpu_sharing_problem(local_world, gpus, env)
     assert (problem is not None) == shared, problem
