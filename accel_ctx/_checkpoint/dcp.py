@@ -36,6 +36,7 @@ from .._options import close_option, unknown_option
 from ..errors import CheckpointError, ConfigurationError
 from . import files
 from . import forms as _forms
+from . import stages as _stages
 from .state import Carried
 
 
@@ -154,8 +155,9 @@ def collect(stateful: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             owners = _owners(obj, stateful)
             forms[name] = owners if owners and obj.state else None
             if forms[name]:
-                state_dict[name] = get_optimizer_state_dict(_owner_module(owners, stateful, name),
-                                                            obj)
+                state_dict[name] = get_optimizer_state_dict(
+                    _owner_module(owners, stateful, name), obj,
+                    options=_stages.optimizer_options(_stages.saves_flat()))
         else:
             state_dict[name] = obj.state_dict()
     return state_dict, forms
@@ -190,8 +192,9 @@ def check_optimizers(folder: Path, stateful: dict[str, Any], saved: dict[str, An
         ):
             continue  # not loaded here, or its models not passed (said elsewhere)
         given = _param_names(obj, _owner_module(owners, stateful, name))
-        if given == record["params"]:
-            continue
+        if given == (record["params"] if _stages.stages() == 1
+                     else _stages.part_of(record["params"], given)):
+            continue  # a pipeline stage loads its part of the names
         was = [n for group in record["params"] for n in group]
         now = [n for group in given for n in group]
         shapes = [tuple(p.shape) for group in _forms.param_groups(obj) for p in group]
@@ -222,6 +225,7 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
     chosen = {n: o for n, o in stateful.items() if only is None or n in only}
     check_optimizers(folder, stateful, {n: p for n, p in params.items() if n in chosen})
     templates: dict[str, Any] = {}
+    flat: dict[str, Any] = {}  # per optimizer: keyed as saved (a pipeline's: by name)
     engines = {n: e for n, o in chosen.items() if (e := _forms.engine_form(o)) is not None}
     for name, obj in chosen.items():
         if name in engines:
@@ -232,7 +236,8 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
             # with no gradients (cleared by load_state), DCP creates a missing state by a
             # zero step, so the template has every entry of the checkpoint
             module = _owner_module(forms[name], stateful, name)
-            templates[name] = get_optimizer_state_dict(module, obj)
+            flat[name] = _stages.optimizer_options(_stages.saved_flat(folder, name))
+            templates[name] = get_optimizer_state_dict(module, obj, options=flat[name])
         elif not isinstance(obj, torch.optim.Optimizer):
             templates[name] = obj.state_dict()
     if templates:
@@ -247,7 +252,7 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
             set_model_state_dict(obj, templates[name])
         elif isinstance(obj, torch.optim.Optimizer) and name in templates:
             set_optimizer_state_dict(_owner_module(forms[name], stateful, name), obj,
-                                     templates[name])
+                                     templates[name], options=flat[name])
         elif isinstance(obj, torch.optim.Optimizer):
             try:
                 obj.load_state_dict(plain[name])
@@ -305,8 +310,8 @@ def _check_keys(folder: Path, templates: dict[str, Any], stateful: dict[str, Any
         cut = len(name) + 1
         missing = [k[cut:] for k in flat if k not in saved]
         unexpected = [k[cut:] for k in saved if k.startswith(name + ".") and k not in flat]
-        if not isinstance(stateful[name], nn.Module):
-            unexpected = []  # other objects may hold fewer entries than their checkpoint
+        if not isinstance(stateful[name], nn.Module) or _stages.stages() > 1:
+            unexpected = []  # other objects (and pipeline stages) hold fewer entries
         shapes = [
             f"{k[cut:]} {tuple(meta.size)} in the checkpoint, {tuple(v.shape)} here"
             for k, v in flat.items()

@@ -23,6 +23,7 @@ from .._kernel import state as _state
 from .._options import checked, file_path
 from ..errors import ConfigurationError
 from . import rng
+from . import stages as pipeline
 from . import state as owned
 
 # torch.distributed.checkpoint costs most of a second to import: it is imported at the first
@@ -156,8 +157,8 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
         except Exception as exc:  # reported to every rank by agree(), not left to hang
             error = guard.explain(exc, root)
     try:
-        gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders]),
-                               group)
+        gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders],
+                                objs.optimizer_params(stateful)), group)
         objs.agree(error, "create the checkpoint folder", None, group)
         tmp = Path(gathered[0][0])
         counters = owned.capture_counters(stack, stateful)
@@ -178,7 +179,8 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
             shared = {"counters": counters, "loaders": positions, "world_size": world,
                       "optimizers": forms, "plain": plain, "info": info,
-                      "optimizer_params": objs.optimizer_params(stateful)}
+                      "optimizer_params": pipeline.joined([g[2] for g in gathered],
+                                                          pipeline.stages())}
         state_dict, mine, shared = copy_tree((state_dict, mine, shared))
     except BaseException:
         if rank == 0:

@@ -82,17 +82,23 @@ def record_replaced(job: Job, before: dict[str, nn.Parameter], module: nn.Module
 def adopt_optimizer(job: Job, optimizer: torch.optim.Optimizer) -> None:
     """Point an optimizer at moved or sharded parameters; its state follows them."""
     replaced = job.adoption.replaced
+    state: dict[Any, Any] = optimizer.state
     for group in optimizer.param_groups:
-        for i, old in enumerate(group["params"]):
+        kept = []
+        for old in group["params"]:
             entry = replaced.get(id(old))
             if entry is None or entry[0]() is not old:
+                kept.append(old)
                 continue
             old_param, new = entry[0](), entry[1]
             assert old_param is not None  # checked just above
-            group["params"][i] = new
-            state: dict[Any, Any] = optimizer.state
+            if new is None:  # another pipeline stage holds it: this one no longer steps it
+                state.pop(old, None)
+                continue
+            kept.append(new)
             if old in state:
                 state[new] = _like(state.pop(old), old_param, new)
+        group["params"][:] = kept
     if job.device.type == "cpu":
         return
     for param, state in optimizer.state.items():

@@ -27,6 +27,7 @@ from .._kernel.session import Session
 from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
+from . import pipeline as _pipeline
 from . import replicate as _replicate
 from . import tensor_parallel as _tensor_parallel
 from . import zero as _zero
@@ -158,6 +159,29 @@ class TensorParallel(_Splits):
         self.prepare = functools.partial(_tensor_parallel.prepare, tensor=tensor, sharding=plan)
 
 
+class Pipeline(EngineChoice):
+    """``pp=N``: each model cut into stages, run by GPipe behind the loop (``_engines.pipeline``),
+    DDP over "dp" on each stage."""
+
+    setting_up = "cutting the model into pipeline stages"
+
+    def __init__(self) -> None:
+        self.prepare = _pipeline.prepare
+
+    @override
+    def prepare_for_load(self, job: Job, objects: dict[str, Any], session: Session) -> None:
+        for obj in objects.values():  # cut first: each stage then reads only its part
+            if isinstance(obj, nn.Module):
+                self.prepare(job, obj, True, session)
+        for obj in objects.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                _adopt.adopt_optimizer(job, obj)
+
+    @override
+    def full_state_dict(self, module: nn.Module) -> dict[str, Any] | None:
+        return _pipeline.full_state_dict(module)
+
+
 class DeepSpeedZero(EngineChoice):
     """``sharded(engine="deepspeed")``: DeepSpeed's ZeRO engine (``_engines.zero``), built at a
     model's first call with gradients, which then takes the loop's steps and clipping."""
@@ -212,9 +236,17 @@ class DeepSpeedZero(EngineChoice):
 
 
 def choose(plan: Plan | None, tensor: TensorPlan | None,
-           healing: Callable[[], Healing] | None = None) -> EngineChoice:
+           healing: Callable[[], Healing] | None = None, stages: int = 1) -> EngineChoice:
     """The engine for a scope entry's models: the one place that looks at the kinds.
-    ``healing``: the job is one replica group (it makes the state a returning peer gets)."""
+    ``healing``: the job is one replica group (it makes the state a returning peer gets);
+    ``stages``: the pipeline's (``pp=``)."""
+    if stages > 1:
+        if plan is not None or healing is not None:
+            raise ConfigurationError(
+                f"pp={stages} " + ("with sharded()" if plan is not None else
+                                   "under --replica-groups") + " is not supported yet: use "
+                f"distributed(pp={stages}) (DDP over the data-parallel ranks of each stage).")
+        return Pipeline()
     if isinstance(plan, _zero.ZeroPlan):
         if tensor is not None or healing is not None:
             raise ConfigurationError(

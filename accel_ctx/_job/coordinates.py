@@ -11,6 +11,8 @@ Examples:
     (1, 2, 1, 2)
     >>> where.with_sequence_parallel(2).sp_rank, where.with_sequence_parallel(4).sharers
     (1, 4)
+    >>> where.with_pipeline_parallel(2).pp_rank, where.with_pipeline_parallel(2).dp_size
+    (1, 2)
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ class Coordinates:
     """Which slice of each sequence this rank holds (``rank % sp_size``: consecutive ranks)."""
     sp_size: int = 1
     """Ranks that split each sequence (``sp=`` of ``sharded()``/``distributed()``)."""
+    pp_rank: int = 0
+    """Which pipeline stage this rank runs (``rank % pp_size``: a pipeline is consecutive ranks)."""
+    pp_size: int = 1
+    """Pipeline stages each model is cut into (``pp=`` of ``distributed()``)."""
 
     @property
     def sharers(self) -> int:
@@ -70,6 +76,12 @@ class Coordinates:
         holds a slice of every sequence of its group's batches (``sp`` divides the world)."""
         return replace(self, dp_rank=self.rank // sp, dp_size=self.world_size // sp,
                        sp_rank=self.rank % sp, sp_size=sp)
+
+    def with_pipeline_parallel(self, pp: int) -> Coordinates:
+        """These coordinates with pipelines of ``pp`` consecutive ranks: each runs one stage of
+        every model on its pipeline's batches (``pp`` divides the world)."""
+        return replace(self, dp_rank=self.rank // pp, dp_size=self.world_size // pp,
+                       pp_rank=self.rank % pp, pp_size=pp)
 
     @classmethod
     def of(cls, rank: int = 0, world_size: int = 1, local_rank: int | None = None,

@@ -59,7 +59,8 @@ class Adoption:
         self.modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         # parameters a device move replaced (meta, XLA, ...): id(old) -> (old, new); optimizers
         # made before the move are pointed at the new ones when accel_ctx first meets them
-        self.replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter]] = {}
+        # (None: the parameter left this rank, held by another pipeline stage)
+        self.replaced: dict[int, tuple[weakref.ref[nn.Parameter], nn.Parameter | None]] = {}
         self.parts_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         self.undo_batchnorm: list[tuple[nn.Module, str, nn.Module]] = []
         self.warned_batchnorm = False
@@ -99,9 +100,15 @@ class Job:
         given = options.sp if options.sp is not None else options.cp
         sp = given if given is not None else (
             outer.coordinates.sp_size if outer is not None else 1)
+        pp = options.pp if options.pp is not None else (
+            outer.coordinates.pp_size if outer is not None else 1)
         self.coordinates: Coordinates = (_split(launch.coordinates, tp) if tp > 1
                                          else _split(launch.coordinates, sp, "sp") if sp > 1
+                                         else _split(launch.coordinates, pp, "pp") if pp > 1
                                          else launch.coordinates)
+        # pp: the micro-batches a batch is cut into (a nested scope keeps the outer job's)
+        self.microbatches: int = options.microbatches or (
+            outer.microbatches if outer is not None else 1)
         # sp: what the loader's split made of the current batch (one record for the job)
         self.sequence: SequenceShare | None = (
             None if sp == 1 else root.sequence if root is not None and root.sequence is not None
@@ -194,6 +201,8 @@ class Job:
         it spans every rank: the gradients average over the sequences' slices too."""
         if self.coordinates.tp_size > 1:
             return self.tp_mesh["dp"]
+        if self.coordinates.pp_size > 1:
+            return self.pp_mesh_2d["dp"]
         return self._cached_mesh(("dp", 1), (self.gradient_ranks,), ("dp",))
 
     @property
@@ -208,6 +217,14 @@ class Job:
         where = self.coordinates
         return self._cached_mesh(("dp,sp", where.sp_size), (where.dp_size, where.sp_size),
                                  ("dp", "sp"))["sp"]
+
+    @property
+    def pp_mesh_2d(self) -> DeviceMesh:
+        """The 2-D mesh ``("dp", "pp")``: pipelines of consecutive ranks, data-parallel across
+        them (the stage's DDP averages over "dp"); built on first use."""
+        where = self.coordinates
+        return self._cached_mesh(("dp,pp", where.pp_size), (where.dp_size, where.pp_size),
+                                 ("dp", "pp"))
 
     @property
     def tp_mesh(self) -> DeviceMesh:
@@ -268,12 +285,14 @@ def _split(where: Coordinates, tp: int, name: str = "tp") -> Coordinates:
     cannot be formed."""
     if where.world_size % tp:
         fits = [n for n in range(1, where.world_size + 1) if where.world_size % n == 0]
-        kind = "tensor" if name == "tp" else "sequence"
+        kind = {"tp": "tensor", "sp": "sequence"}.get(name, "pipeline")
         raise ConfigurationError(
             f"{name}={tp}: the {where.world_size} processes of this job cannot form {kind}-parallel "
             f"groups of {tp} ranks each. Start a multiple of {tp} processes "
             f"(accel-ctx launch -n {tp * max(1, where.world_size // tp)}), or give {name} a divisor "
             f"of {where.world_size} ({', '.join(map(str, fits))}).")
+    if name == "pp":
+        return where.with_pipeline_parallel(tp)
     return where.with_tensor_parallel(tp) if name == "tp" else where.with_sequence_parallel(tp)
 
 

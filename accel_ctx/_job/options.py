@@ -22,6 +22,7 @@ from ..errors import ConfigurationError
 from . import comm_hook as _comm_hook
 from .comm_hook import PowerSGD
 from .sequence import sequence_options
+from .stages import pipeline_options
 from .tp_plan import tp_options
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -78,6 +79,12 @@ class DistributedOptions:
     """Sequence parallelism (Ulysses): groups of this many consecutive ranks split each sequence."""
     cp: int | None = None
     """Context parallelism: as ``sp``, attention by torch's ring attention (CUDA devices only)."""
+    pp: int | None = None
+    """Pipeline parallelism: cut each model into this many stages, one per rank of a pipeline
+    of consecutive ranks (the data splits over the pipelines: ``state().dp_size`` = world / pp)."""
+    microbatches: int | None = None
+    """With ``pp``: the micro-batches each batch is cut into, run through the stages in turn
+    (GPipe); default one per stage."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # Job.nested
 
 
@@ -100,6 +107,8 @@ class Options(TypedDict, total=False):
     loss_parallel: bool
     sp: int | None
     cp: int | None
+    pp: int | None
+    microbatches: int | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions) if f.name != "given")
@@ -196,6 +205,7 @@ def parse_options(options: Mapping[str, Any], call: str = "distributed",
     values["comm_hook"] = _comm_hook.parse(values.get("comm_hook"))
     values.update(tp_options(values, call))
     values.update(sequence_options(values, call))
+    values.update(pipeline_options(values, call))
     for name in _FLAGS:
         if name in values:
             flag(call, name, values[name])

@@ -107,6 +107,11 @@ def open_runtime(options: DistributedOptions, exits: ExitStack, plan: Plan | Non
                 f"distributed(sp={given}) is nested inside a scope whose job splits each "
                 f"sequence over sp={outer.coordinates.sp_size}; a nested scope cannot change it. "
                 "Pass sp= to the outermost scope, or drop it from the nested one.")
+        if options.pp is not None and options.pp != outer.coordinates.pp_size:
+            raise ConfigurationError(
+                f"distributed(pp={options.pp}) is nested inside a scope whose job cuts each "
+                f"model into pp={outer.coordinates.pp_size} stages; a nested scope cannot change "
+                "it. Pass pp= to the outermost scope, or drop it from the nested one.")
         job = outer.nested(options)
         _check_tensor(job, tensor, plan)
         return DistributedRuntime(job, plan, tensor)

@@ -62,7 +62,8 @@ class DistributedRuntime(Concern):
         self.tensor = tensor  # tp=N: tensor parallelism (then FSDP2 over "dp" under sharded())
         # asked, never branched on
         self.engines = _choice.choose(plan, tensor,
-                                      _peer_state if job.launch.lighthouse else None)
+                                      _peer_state if job.launch.lighthouse else None,
+                                      job.coordinates.pp_size)
         # TP without FSDP2 over "dp": the parameters outside the plan stay plain tensors
         self._plain_beside_split = tensor is not None and not _tensor_parallel.shards_over_dp(
             job, plan if isinstance(plan, _fsdp.ShardingPlan) else None)
@@ -225,7 +226,7 @@ class DistributedRuntime(Concern):
 
     @override
     def splits_models(self) -> bool:
-        return self.plan is not None or self.tensor is not None
+        return self.plan is not None or self.tensor is not None or self.job.coordinates.pp_size > 1
 
     @override
     def full_model_state(self, model: nn.Module) -> dict[str, Any] | None:

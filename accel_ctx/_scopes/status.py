@@ -49,8 +49,9 @@ class State(Coordinates):
 
     Its first fields are the job's :class:`Coordinates` (``rank``, ``world_size``,
     ``local_rank``, ``local_world_size``, ``node_rank``, ``num_nodes``, ``dp_rank``,
-    ``dp_size``, ``tp_rank``, ``tp_size``, ``sp_rank``, ``sp_size``: rank 0 of 1 outside
-    ``distributed()``; under ``tp=N`` or ``sp=N`` the data-parallel fields count groups); the
+    ``dp_size``, ``tp_rank``, ``tp_size``, ``sp_rank``, ``sp_size``, ``pp_rank``, ``pp_size``:
+    rank 0 of 1 outside ``distributed()``; under ``tp=N``, ``sp=N`` or ``pp=N`` the
+    data-parallel fields count groups); the
     scopes' settings follow.
     """
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))

@@ -158,6 +158,11 @@ def clip_grad_norm_(
             return later
     plain, scaled, scale = _split_scaled(stack, params)
     total = _total_norm(plain, scaled, scale, norm_type, foreach)
+    job = _state.current_job()
+    if job is not None and job.coordinates.pp_size > 1:  # each stage holds its part of them
+        from .._engines.pipeline import whole_norm
+
+        total = whole_norm(job, total, norm_type)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "

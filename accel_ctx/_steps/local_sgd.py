@@ -272,6 +272,6 @@ def refuse_parts(stack: _state.Stack | None) -> None:
 
 _NOT_SHARDED = (
     "local_sgd() synchronises whole replicas of the model, each trained on its own; under "
-    "sharded() (FSDP2) or tensor parallelism each rank holds only part of it, and under sp= "
-    "each rank's gradient is only its slice of the sequences' part, which is not supported yet. "
-    "Use it inside distributed() (DDP) without sp=.")
+    "sharded() (FSDP2), tensor or pipeline parallelism (pp=) each rank holds only part of it, "
+    "and under sp= each rank's gradient is only its slice of the sequences' part, which is not "
+    "supported yet. Use it inside distributed() (DDP) without sp= or pp=.")
