@@ -38,7 +38,8 @@ def note_inputs(job: Job, call: ForwardCall, session: Session) -> None:
     """A training forward through an engine while the check runs: compare the last step's
     notes with the other ranks (the collective), then note this forward's inputs (local)."""
     adoption = job.adoption
-    if adoption.inputs_checked or job.world_size == 1 or not dist.is_initialized():
+    # one data-parallel rank (a tensor-parallel group, a pipeline): the same inputs by design
+    if adoption.inputs_checked or job.coordinates.dp_size == 1 or not dist.is_initialized():
         return
     if adoption.unsent_inputs is not None:
         _compare(job, *adoption.unsent_inputs)

@@ -198,5 +198,8 @@ def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
             proc.wait()
     text = output.decode(errors="replace")
     assert proc.returncode != 0, text
-    assert "rank 1" in text and "caused the failure" in text, text
+    # named by rank 0, or by the launcher when it sees rank 1's exit first and stops the job
+    assert ("rank 1 caused the failure" in text or "rank 1 (local rank 1" in text
+            and "exited with code 3" in text), text
+    assert "same inputs" not in text, text  # a pipeline's stages share their inputs by design
     assert time.monotonic() - start < scaled(90), text  # not distributed()'s 60 s timeout x2
