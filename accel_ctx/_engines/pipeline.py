@@ -9,9 +9,10 @@ Each call then runs GPipe behind the user's unchanged loop: the batch is cut int
 each runs through the stages in turn (activations sent point to point), and the last stage's
 output, whole, is handed to every stage, so ``model(x)`` returns the model's output on every
 rank and the user's loss is the real loss everywhere. On the earlier stages that output is bound
-by :class:`_Bound` to what the stage sent: the user's ``loss.backward()`` reaches its
+by ``pipeline_link.Bound`` to what the stage sent: the user's ``loss.backward()`` reaches its
 ``backward``, which receives the next stage's gradients for them, and autograd carries on
-through the stage (torch's own schedules need the loss inside them: ``loss_fn=``, not this).
+through the stage. With ``loss_fn=``, a call given ``target=`` runs torch's own schedule instead
+(``_engines.pipeline_schedule``: GPipe or 1F1B, the backward inside the call).
 """
 
 from __future__ import annotations
@@ -40,10 +41,9 @@ from .pipeline_cut import (
     StageProblem,
     cut,
 )
+from .pipeline_link import Bound, GradsBack, Link
+from .pipeline_schedule import Scheduled, refuse_unsupported
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
-           torch.int32, torch.bool, torch.uint8, torch.int8, torch.int16)
-_HEADER = 10  # ndim, dtype, flag, shape (up to 7 dimensions)
 # what a stage found wrong, sent on with the activation and shared with the output, so that
 # every stage refuses the step alike (flag -> message)
 _PROBLEMS = {
@@ -65,104 +65,6 @@ _PROBLEMS = {
 _POISONED, _NOT_TENSOR, _EARLY = 1, 2, SKIPPED
 
 
-class _Link:
-    """Point-to-point and broadcast traffic of one pipeline (the "pp" mesh dimension)."""
-
-    def __init__(self, job: Job) -> None:
-        where = job.coordinates
-        self.group = job.pp_mesh_2d["pp"].get_group()
-        self.device = job.comm_device(job.device)
-        self.prev, self.next = job.rank - 1, job.rank + 1
-        self.last_rank = job.rank - where.pp_rank + where.pp_size - 1
-
-    def _header(self, tensor: torch.Tensor, flag: int) -> torch.Tensor:
-        if tensor.dim() > _HEADER - 3:
-            raise ConfigurationError(
-                f"pp=: a tensor of {tensor.dim()} dimensions cannot pass between stages "
-                f"(up to {_HEADER - 3}).")
-        values = [tensor.dim(), _DTYPES.index(tensor.dtype), flag, *tensor.shape]
-        return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64,
-                            device=self.device)
-
-    @staticmethod
-    def _empty(header: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
-        ndim, dtype, flag, *shape = header.tolist()
-        return torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device), flag
-
-    def send(self, tensor: torch.Tensor, flag: int = 0) -> None:
-        dist.send(self._header(tensor, flag), self.next, group=self.group)
-        dist.send(tensor.detach().contiguous(), self.next, group=self.group)
-
-    def recv(self, device: torch.device) -> tuple[torch.Tensor, int]:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, self.prev, group=self.group)
-        tensor, flag = self._empty(header, device)
-        dist.recv(tensor, self.prev, group=self.group)
-        return tensor, flag
-
-    def share_output(self, output: torch.Tensor | None, flag: int, device: torch.device
-                     ) -> tuple[torch.Tensor, int]:
-        """The last stage's output, on every stage of the pipeline, with the last's flag."""
-        header = (self._header(output, flag) if output is not None
-                  else torch.empty(_HEADER, dtype=torch.int64, device=self.device))
-        dist.broadcast(header, self.last_rank, group=self.group)
-        if output is not None:
-            dist.broadcast(output.detach().contiguous(), self.last_rank, group=self.group)
-            return output, flag
-        values, flag = self._empty(header, device)
-        dist.broadcast(values, self.last_rank, group=self.group)
-        return values, flag
-
-
-class _Bound(torch.autograd.Function):
-    """The output on an earlier stage: its values the last stage's, its backward the next
-    stage's gradients for the activations this stage sent (the loss's own gradient here is
-    the same loss's on the last stage, already in them)."""
-
-    @staticmethod
-    @override
-    def forward(ctx: Any, values: torch.Tensor, runner: PipelineRunner,
-                *sent: torch.Tensor) -> torch.Tensor:
-        ctx.runner = runner
-        ctx.shapes = [(s.shape, s.dtype, s.device) for s in sent]
-        return values.detach()
-
-    @staticmethod
-    @override
-    def backward(ctx: Any, *grad: torch.Tensor) -> tuple[Any, ...]:
-        runner: PipelineRunner = ctx.runner
-        grads = []
-        for shape, dtype, device in ctx.shapes:
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, runner.link.next, group=runner.link.group)
-            grads.append(buffer)
-        if runner.cut.stage == 0:
-            runner.pending = False
-        return (None, None, *grads)
-
-
-class _GradsBack:
-    """A later stage's gradients of the activations it received, sent back in the order they
-    came once the backward has made them all (autograd makes them in its own order)."""
-
-    def __init__(self, runner: PipelineRunner, count: int) -> None:
-        self.runner = runner
-        self.grads: list[torch.Tensor | None] = [None] * count
-        self.left = count
-
-    def hook(self, index: int) -> Any:
-        def got(grad: torch.Tensor) -> None:
-            self.grads[index] = grad
-            self.left -= 1
-            if self.left == 0:
-                link = self.runner.link
-                for made in self.grads:
-                    assert made is not None
-                    dist.send(made.contiguous(), link.prev, group=link.group)
-                self.runner.pending = False
-        return got
-
-
 def _micro(value: Any, rows: int, count: int) -> list[Any]:
     if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == rows:
         return list(value.tensor_split(count))
@@ -176,34 +78,60 @@ class PipelineRunner(nn.Module):
         super().__init__()
         self.model = model  # registered: DDP averages the stage's parameters
         self.cut, self.mailbox = cut_, mailbox
-        self.link = _Link(job)
+        self.link = Link(job)
         self.microbatches = job.microbatches
         self.require_backward_grad_sync = True  # the Engine switch (DDP's, when over "dp")
         self.pending = False  # a forward with gradients whose backward has not run yet
         self.checked = False  # the first step's output was looked at for leaked placeholders
+        self.loss_fn = job.options.loss_fn
+        self.scheduled = None if self.loss_fn is None else Scheduled(
+            job, model, mailbox, cut_.stage, self.loss_fn, job.options.schedule or "gpipe")
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
-        if grad and self.pending:
+        if self.scheduled is None:
+            return self._gpipe(args, kwargs, grad)
+        target = kwargs.pop("target", None)
+        if not grad:  # an evaluation: the forwards alone, the loss computed on every stage
+            out = self._gpipe(args, kwargs, grad)
+            return out if target is None else self.scheduled.loss_fn(out, target)
+        if target is None:
             raise ConfigurationError(
-                "pp=: a second forward with gradients before the first one's backward. Under "
-                "a pipeline each training forward is followed by its loss.backward(): combine "
-                "the outputs of several calls in one call (one batch), and run forwards whose "
-                "outputs need no backward under torch.no_grad().")
+                "pp= with loss_fn=: a training call runs torch's schedule, which computes the "
+                "loss itself: call model(x, target=y), which returns the loss (then "
+                "loss.backward() has nothing left to do), or drop loss_fn= for the plain loop.")
+        refuse_unsupported()
+        if not self.checked:  # the cut's checks, once: the first batch's forwards alone
+            with torch.no_grad():
+                self._gpipe(args, kwargs, False)
+        return self.scheduled.step(args, kwargs, target, self._count(args, kwargs))
+
+    def _count(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         rows = next((a.shape[0] for a in (*args, *kwargs.values())
                      if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
         if rows is None:
             raise ConfigurationError(
                 "pp=: the model was called without a batched tensor argument; a pipeline cuts "
                 "the batch (dimension 0 of the inputs) into micro-batches.")
-        count = max(1, min(self.microbatches, rows))
+        return max(1, min(self.microbatches, rows))
+
+    def _gpipe(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
+        if grad and self.pending:
+            raise ConfigurationError(
+                "pp=: a second forward with gradients before the first one's backward. Under "
+                "a pipeline each training forward is followed by its loss.backward(): combine "
+                "the outputs of several calls in one call (one batch), and run forwards whose "
+                "outputs need no backward under torch.no_grad().")
+        count = self._count(args, kwargs)
+        rows = next(a.shape[0] for a in (*args, *kwargs.values())
+                    if isinstance(a, torch.Tensor) and a.dim() >= 1)
         parts = [_micro(a, rows, count) for a in args]
         named = {k: _micro(v, rows, count) for k, v in kwargs.items()}
         stage = self.cut
         sent: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
-        back = _GradsBack(self, count) if grad and stage.stage > 0 else None
+        back = GradsBack(self, count) if grad and stage.stage > 0 else None
         device = next((p.device for p in self.model.parameters()), self.link.device)
         problem, where = 0, ""  # every stage still passes each micro-batch on: none waits
         for i in range(count):
@@ -258,7 +186,7 @@ class PipelineRunner(nn.Module):
                 self.pending = False
             return whole
         if grad and any(s.requires_grad for s in sent):
-            return _Bound.apply(values, self, *sent)  # type: ignore[no-untyped-call]
+            return Bound.apply(values, self, *sent)  # type: ignore[no-untyped-call]
         self.pending = False
         return values
 
@@ -303,7 +231,8 @@ def _build(job: Job, module: nn.Module, session: Session
     for optimizer in list(session.optimizers.keys()):
         _adopt.adopt_optimizer(job, optimizer)  # met before: only this stage's parameters
     runner = PipelineRunner(job, module, stage, mailbox)
-    if where.dp_size == 1 or not any(p.requires_grad for p in module.parameters()):
+    if where.dp_size == 1 or not any(p.requires_grad for p in module.parameters()) or (
+            runner.scheduled is not None):  # torch's stage runs DDP over the stage itself
         return runner
     devices = {p.device for p in module.parameters()}
     single_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"

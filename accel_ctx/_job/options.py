@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any, TypedDict
@@ -85,6 +85,11 @@ class DistributedOptions:
     microbatches: int | None = None
     """With ``pp``: the micro-batches each batch is cut into, run through the stages in turn
     (GPipe); default one per stage."""
+    schedule: str | None = None
+    """With ``pp``: ``"gpipe"`` (default) or ``"1f1b"`` (needs ``loss_fn``)."""
+    loss_fn: Callable[[Any, Any], Any] | None = None
+    """With ``pp``: the loss of (output, target); a call ``model(x, target=y)`` then runs
+    torch's schedule, backward included, and returns the loss."""
     given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)  # Job.nested
 
 
@@ -109,6 +114,8 @@ class Options(TypedDict, total=False):
     cp: int | None
     pp: int | None
     microbatches: int | None
+    schedule: str | None
+    loss_fn: Callable[[Any, Any], Any] | None
 
 
 OPTION_NAMES = tuple(f.name for f in fields(DistributedOptions) if f.name != "given")

@@ -58,7 +58,8 @@ class distributed(Scope):
     Options (keyword-only): ``backend``, ``device``, ``timeout`` (seconds or timedelta),
     ``init_method``, ``find_unused_parameters``, ``static_graph``, ``broadcast_buffers``,
     ``bucket_cap_mb``, ``gradient_as_bucket_view``, ``sync_batchnorm``, ``even_batches``,
-    ``debug``, ``comm_hook``, ``tp``, ``sp`` (see :class:`DistributedOptions`).
+    ``debug``, ``comm_hook``, ``tp``, ``sp``, ``pp``, ``microbatches``, ``schedule``,
+    ``loss_fn`` (see :class:`DistributedOptions`).
 
     Examples:
         >>> import torch

@@ -92,9 +92,32 @@ def test_dp2_by_pp2_trains_like_one_process_on_both_pipelines_batches(tmp_path):
         _close({"losses": reference["losses"], "weights": got["weights"]}, reference,
                f"rank {rank}: weights on 2 x 2")
         assert got["eval"] == pytest.approx(reference["eval"], abs=1e-6)
+        # 1F1B with DDP over "dp" inside torch's stage: the same weights (one epoch)
+        _close({"losses": [], "weights": result["1f1b"]["weights"]},
+               {"losses": [], "weights": w.train(None, 4, micro=4, epochs=1)["weights"]},
+               f"rank {rank}: 1f1b on 2 x 2")
     for step, want in enumerate(reference["losses"]):  # each pipeline's loss is its half's
         mean = (four[0]["plain"]["losses"][step] + four[2]["plain"]["losses"][step]) / 2
         assert mean == pytest.approx(want, abs=1e-6), step
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe_scheduled"])
+def test_a_schedule_given_the_loss_trains_like_one_process(two, schedule):
+    # torch's Schedule1F1B / ScheduleGPipe, the loop's call model(x, target=y): the mean of the
+    # micro-batches' losses, as torch scales the gradients, is the batch's loss for equal parts
+    want = w.train(None, 4, micro=4, epochs=1)
+    for rank, result in enumerate(two):
+        _close(result[schedule], want, f"rank {rank}: {schedule}")
+        assert result[schedule]["eval"] == pytest.approx(want["eval"], abs=1e-6)
+
+
+@pytest.mark.parametrize("case, text", [
+    ("without_target", "call model(x, target=y), which returns the loss"),
+    ("accumulated", "inside accumulate(k): the schedule's backward runs inside the call"),
+])
+def test_a_schedule_given_the_loss_refuses_what_it_cannot_honour(two, case, text):
+    for rank, result in enumerate(two):
+        assert text in result["1f1b_misuses"][case], (rank, result["1f1b_misuses"][case])
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -154,9 +177,13 @@ def test_a_forward_in_rank_only_code_is_refused_where_it_runs(two):
     (dict(pp=0), "give the number of stages each model is cut into"),
     (dict(pp="2"), "give the number of stages each model is cut into"),
     (dict(pp=2, microbatches=0), "give the number of micro-batches"),
-    (dict(microbatches=4), "microbatches=4) without pp="),
+    (dict(microbatches=4), "microbatches=...) without pp="),
     (dict(pp=2, sp=2), "pipeline parallelism with sequence parallelism"),
     (dict(pp=2, tp=2), "pipeline parallelism with tensor parallelism"),
+    (dict(pp=2, schedule="1f1b"), "schedule='1f1b') without loss_fn="),
+    (dict(pp=2, schedule="zb"), "give one of 'gpipe', '1f1b'"),
+    (dict(pp=2, loss_fn="ce"), "give the loss as a function of (output, target)"),
+    (dict(loss_fn=len), "loss_fn=...) without pp="),
 ])
 def test_options_are_checked_where_given(options, text):
     with pytest.raises(ConfigurationError, match=text.replace("(", r"\(").replace(")", r"\)")):
@@ -199,7 +226,7 @@ def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
     text = output.decode(errors="replace")
     assert proc.returncode != 0, text
     # named by rank 0, or by the launcher when it sees rank 1's exit first and stops the job
-    assert ("rank 1 caused the failure" in text or "rank 1 (local rank 1" in text
-            and "exited with code 3" in text), text
+    assert ("rank 1 caused the failure" in text or ("rank 1 (local rank 1" in text
+            and "exited with code 3" in text)), text
     assert "same inputs" not in text, text  # a pipeline's stages share their inputs by design
     assert time.monotonic() - start < scaled(90), text  # not distributed()'s 60 s timeout x2

@@ -105,6 +105,34 @@ def train(pp: int | None, batch: int, micro: int = 2, epochs: int = 2, clip: flo
                 "params": sum(p.numel() for p in opt.param_groups[0]["params"])}
 
 
+def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def train_scheduled(schedule: str, batch: int, micro: int = 4, epochs: int = 1,
+                    clip: float | None = 0.5) -> dict[str, Any]:
+    """The loop a schedule that computes the loss takes: ``loss = model(x, target=y)``."""
+    torch.manual_seed(0)
+    with distributed(pp=2, microbatches=micro, schedule=schedule, loss_fn=ce):
+        model = LM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(tokens(), batch_size=batch, shuffle=True)
+        losses: list[float] = []
+        for _ in range(epochs):
+            for x, y in loader:
+                loss = model(x, target=y)  # the forwards and backwards, in the schedule's order
+                loss.backward()  # nothing left to do: the loop stays as it was
+                if clip is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        x, y = tokens()[:8]
+        with torch.no_grad():
+            evaluated = model(x, target=y).item()
+        return {"losses": losses, "weights": weights(model), "eval": evaluated}
+
+
 def resume(ckpt: str, pp: int | None, batch: int, micro: int = 2, steps: int = 4) -> dict[str, Any]:
     """Load what a pipeline saved (into one process, or a pipeline) and train on from it."""
     torch.manual_seed(1)
@@ -266,12 +294,31 @@ def two_ranks(root: str) -> dict[str, Any]:
         "uneven": train(2, 3, micro=2, epochs=1, clip=None),  # 3 rows: 2 + 1, a tail of 2
         "bf16": train(2, 4, epochs=1, precision="bf16"),
         "decorated": decorated(),
+        "1f1b": train_scheduled("1f1b", 4),
+        "gpipe_scheduled": train_scheduled("gpipe", 4),
+        "1f1b_misuses": scheduled_misuses(),
         "misuses": misuses(),
     }
     out["resumed"] = resume(f"{root}/ckpt", 2, 4)
     return out
 
 
+def scheduled_misuses() -> dict[str, str]:
+    """What a schedule that runs the backward inside the call cannot take."""
+    from accel_ctx import accumulate
+
+    def without_target() -> None:
+        with distributed(pp=2, schedule="1f1b", loss_fn=ce):
+            LM()(torch.randint(0, VOCAB, (4, LENGTH)))
+
+    def accumulated() -> None:
+        with distributed(pp=2, schedule="1f1b", loss_fn=ce), accumulate(2):
+            x = torch.randint(0, VOCAB, (4, LENGTH))
+            LM()(x, target=x)
+
+    return {"without_target": _error(without_target), "accumulated": _error(accumulated)}
+
+
 def four_ranks() -> dict[str, Any]:
     """dp x pp = 2 x 2: DDP over the data-parallel ranks of each stage."""
-    return {"plain": train(2, 2)}
+    return {"plain": train(2, 2), "1f1b": train_scheduled("1f1b", 2)}
