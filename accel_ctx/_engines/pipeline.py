@@ -9,9 +9,9 @@ Each call then runs GPipe behind the user's unchanged loop: the batch is cut int
 each runs through the stages in turn (activations sent point to point), and the last stage's
 output, whole, is handed to every stage, so ``model(x)`` returns the model's output on every
 rank and the user's loss is the real loss everywhere. On the earlier stages that output is bound
-by ``pipeline_link.Bound`` to what the stage sent: the user's ``loss.backward()`` reaches its
-``backward``, which receives the next stage's gradients for them, and autograd carries on
-through the stage. With ``loss_fn=``, a call given ``target=`` runs torch's own schedule instead
+by ``pipeline_link.Output`` to what the stage sent: the user's ``loss.backward()`` reaches
+each micro-batch's ``Bound``, which receives the next stage's gradient for it, and autograd
+carries on through that micro-batch's part of the stage while the next stage works on the next. With ``loss_fn=``, a call given ``target=`` runs torch's own schedule instead
 (``_engines.pipeline_schedule``: GPipe or 1F1B, the backward inside the call).
 """
 
@@ -41,7 +41,7 @@ from .pipeline_cut import (
     StageProblem,
     cut,
 )
-from .pipeline_link import Bound, GradsBack, Link
+from .pipeline_link import Bound, GradsBack, Link, Output
 from .pipeline_schedule import Scheduled, refuse_unsupported
 
 # what a stage found wrong, sent on with the activation and shared with the output, so that
@@ -83,6 +83,7 @@ class PipelineRunner(nn.Module):
         self.require_backward_grad_sync = True  # the Engine switch (DDP's, when over "dp")
         self.pending = False  # a forward with gradients whose backward has not run yet
         self.checked = False  # the first step's output was looked at for leaked placeholders
+        self.expected = -1  # the micro-batch whose gradient the backward receives next
         self.loss_fn = job.options.loss_fn
         self.scheduled = None if self.loss_fn is None else Scheduled(
             job, model, mailbox, cut_.stage, self.loss_fn, job.options.schedule or "gpipe")
@@ -129,7 +130,7 @@ class PipelineRunner(nn.Module):
         parts = [_micro(a, rows, count) for a in args]
         named = {k: _micro(v, rows, count) for k, v in kwargs.items()}
         stage = self.cut
-        sent: list[torch.Tensor] = []
+        tokens: list[torch.Tensor] = []
         outputs: list[torch.Tensor] = []
         back = GradsBack(self, count) if grad and stage.stage > 0 else None
         device = next((p.device for p in self.model.parameters()), self.link.device)
@@ -152,7 +153,8 @@ class PipelineRunner(nn.Module):
                 out = self.model(*(p[i] for p in parts), **{k: v[i] for k, v in named.items()})
             except StageDone as done:
                 self.link.send(done.activation)
-                sent.append(done.activation)
+                if grad and done.activation.requires_grad:
+                    tokens.append(Bound.apply(self, i, done.activation))  # type: ignore[no-untyped-call]
                 continue
             except StageProblem as found:
                 problem, where = found.code, f" ({found.where}, on this rank)"
@@ -168,7 +170,9 @@ class PipelineRunner(nn.Module):
                 problem = _NOT_TENSOR
             else:
                 outputs.append(out)
+        self.link.flush()
         self.pending = grad and not problem
+        self.expected = count - 1  # the micro-batch whose gradient comes back first
         whole = None
         if stage.last:
             whole = torch.zeros(0, device=device) if problem else (
@@ -185,8 +189,8 @@ class PipelineRunner(nn.Module):
             if not grad:
                 self.pending = False
             return whole
-        if grad and any(s.requires_grad for s in sent):
-            return Bound.apply(values, self, *sent)  # type: ignore[no-untyped-call]
+        if tokens:
+            return Output.apply(values, *tokens)  # type: ignore[no-untyped-call]
         self.pending = False
         return values
 

@@ -29,6 +29,7 @@ class Link:
         self.device = job.comm_device(job.device)
         self.prev, self.next = job.rank - 1, job.rank + 1
         self.last_rank = job.rank - where.pp_rank + where.pp_size - 1
+        self.sending: list[tuple[Any, torch.Tensor]] = []  # (work, the tensor it holds)
 
     def _header(self, tensor: torch.Tensor, flag: int) -> torch.Tensor:
         if tensor.dim() > _HEADER - 3:
@@ -45,8 +46,19 @@ class Link:
         return torch.empty(shape[:ndim], dtype=_DTYPES[dtype], device=device), flag
 
     def send(self, tensor: torch.Tensor, flag: int = 0) -> None:
-        dist.send(self._header(tensor, flag), self.next, group=self.group)
-        dist.send(tensor.detach().contiguous(), self.next, group=self.group)
+        """Sent without waiting (gloo's send waits for the receiver's recv): the stage goes on
+        with its next micro-batch; :meth:`flush` waits for what is still on its way."""
+        for part in (self._header(tensor, flag), tensor.detach().contiguous()):
+            self.sending.append((dist.isend(part, self.next, group=self.group), part))
+
+    def send_back(self, grad: torch.Tensor) -> None:
+        part = grad.contiguous()
+        self.sending.append((dist.isend(part, self.prev, group=self.group), part))
+
+    def flush(self) -> None:
+        for work, _ in self.sending:
+            work.wait()
+        self.sending.clear()
 
     def recv(self, device: torch.device) -> tuple[torch.Tensor, int]:
         header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
@@ -70,51 +82,71 @@ class Link:
 
 
 class Bound(torch.autograd.Function):
-    """The output on an earlier stage: its values the last stage's, its backward the next
-    stage's gradients for the activations this stage sent (the loss's own gradient here is
-    the same loss's on the last stage, already in them)."""
+    """One micro-batch's activation sent on, as autograd sees it on an earlier stage: made
+    right after that micro-batch's forward, so the backward reaches it (micro-batches in reverse,
+    autograd's order) just before that micro-batch's own part of the stage; its backward
+    receives the next stage's gradient for the activation. Its output is a token that
+    :class:`Output` ties to the stage's output."""
 
     @staticmethod
     @override
-    def forward(ctx: Any, values: torch.Tensor, runner: Any,
-                *sent: torch.Tensor) -> torch.Tensor:
-        ctx.runner = runner
-        ctx.shapes = [(s.shape, s.dtype, s.device) for s in sent]
-        return values.detach()
+    def forward(ctx: Any, runner: Any, index: int, sent: torch.Tensor) -> torch.Tensor:
+        ctx.runner, ctx.index = runner, index
+        ctx.shape = (sent.shape, sent.dtype, sent.device)
+        return sent.new_zeros(())
 
     @staticmethod
     @override
     def backward(ctx: Any, *grad: torch.Tensor) -> tuple[Any, ...]:
         runner: Any = ctx.runner
-        grads = []
-        for shape, dtype, device in ctx.shapes:
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, runner.link.next, group=runner.link.group)
-            grads.append(buffer)
-        if runner.cut.stage == 0:
+        if ctx.index != runner.expected:  # the next stage sends them in reverse, one by one
+            raise RuntimeError(
+                f"pp: micro-batch {ctx.index}'s backward came where {runner.expected}'s was due; "
+                "the stages would pair up the wrong gradients.")
+        runner.expected -= 1
+        shape, dtype, device = ctx.shape
+        buffer = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(buffer, runner.link.next, group=runner.link.group)
+        if runner.expected < 0 and runner.cut.stage == 0:
             runner.pending = False
-        return (None, None, *grads)
+        return None, None, buffer
+
+
+class Output(torch.autograd.Function):
+    """An earlier stage's output: the last stage's values, tied to the micro-batches' tokens."""
+
+    @staticmethod
+    @override
+    def forward(ctx: Any, values: torch.Tensor, *tokens: torch.Tensor) -> torch.Tensor:
+        ctx.count = len(tokens)
+        return values.detach()
+
+    @staticmethod
+    @override
+    def backward(ctx: Any, *grad: torch.Tensor) -> tuple[Any, ...]:
+        # the loss's gradient here is the same loss's on the last stage, already in what the
+        # next stage sends: each token only wakes its micro-batch's Bound
+        return (None, *(grad[0].new_zeros(()) for _ in range(ctx.count)))
 
 
 class GradsBack:
-    """A later stage's gradients of the activations it received, sent back in the order they
-    came once the backward has made them all (autograd makes them in its own order)."""
+    """A later stage's gradients of the activations it received, sent back as autograd makes
+    them, last micro-batch first (the order the earlier stage's backward takes them in)."""
 
     def __init__(self, runner: Any, count: int) -> None:
         self.runner = runner
         self.grads: list[torch.Tensor | None] = [None] * count
-        self.left = count
+        self.next = count - 1
 
     def hook(self, index: int) -> Any:
         def got(grad: torch.Tensor) -> None:
             self.grads[index] = grad
-            self.left -= 1
-            if self.left == 0:
-                link = self.runner.link
-                for made in self.grads:
-                    assert made is not None
-                    dist.send(made.contiguous(), link.prev, group=link.group)
+            link = self.runner.link
+            while self.next >= 0 and (made := self.grads[self.next]) is not None:
+                link.send_back(made)
+                self.grads[self.next] = None
+                self.next -= 1
+            if self.next < 0:
+                link.flush()
                 self.runner.pending = False
         return got
-
-

@@ -81,7 +81,7 @@ def test_pp2_under_bf16_stays_near_one_process_under_bf16(two):
         _close(result["bf16"], want, f"rank {rank}: bf16", tol=2e-2)
 
 
-def test_dp2_by_pp2_trains_like_one_process_on_both_pipelines_batches(tmp_path):
+def test_dp2_by_pp2_and_pp4_train_like_one_process(tmp_path):
     # each pipeline gets 2 rows a step (DDP over "dp" averages the stages' gradients): one
     # process on batches of 4, cut into 4 micro-batches of one row, is the same
     four = spawn(w.four_ranks, 4, tmp_path, timeout=400)
@@ -96,6 +96,9 @@ def test_dp2_by_pp2_trains_like_one_process_on_both_pipelines_batches(tmp_path):
         _close({"losses": [], "weights": result["1f1b"]["weights"]},
                {"losses": [], "weights": w.train(None, 4, micro=4, epochs=1)["weights"]},
                f"rank {rank}: 1f1b on 2 x 2")
+        # pp=4 on the same 4 ranks: a stage per block, the middle ones both receive and send
+        _close(result["pp4"], w.train(None, 4, micro=4, epochs=1), f"rank {rank}: pp=4")
+        assert result["pp4"]["where"] == {"dp": 1, "pp": 4, "pp_rank": rank}
     for step, want in enumerate(reference["losses"]):  # each pipeline's loss is its half's
         mean = (four[0]["plain"]["losses"][step] + four[2]["plain"]["losses"][step]) / 2
         assert mean == pytest.approx(want, abs=1e-6), step

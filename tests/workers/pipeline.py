@@ -321,4 +321,5 @@ def scheduled_misuses() -> dict[str, str]:
 
 def four_ranks() -> dict[str, Any]:
     """dp x pp = 2 x 2: DDP over the data-parallel ranks of each stage."""
-    return {"plain": train(2, 2), "1f1b": train_scheduled("1f1b", 2)}
+    return {"plain": train(2, 2), "1f1b": train_scheduled("1f1b", 2),
+            "pp4": train(4, 4, micro=4, epochs=1)}  # two middle stages: received and sent
