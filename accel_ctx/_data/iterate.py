@@ -24,10 +24,12 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from .._job.coordinates import Coordinates
 from .._job.progress import here
 from .._kernel import state as _state
 from .._kernel.session import Session
 from .._warn import warn_user
+from ..errors import ConfigurationError
 from . import eval_passes as _eval_passes
 from . import order as _data_order
 from . import records as _records
@@ -65,10 +67,28 @@ def _drops_last(loader: DataLoader[Any]) -> bool:
     return bool(loader.drop_last) or getattr(loader.batch_sampler, "drop_last", False) is True
 
 
+def _check_own_sampler(loader: DataLoader[Any], where: Coordinates) -> None:
+    """The user's DistributedSampler under tp=/sp=/pp=: the ranks that share a batch must draw
+    the same one, so it must count data-parallel ranks, not every rank."""
+    sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else getattr(
+        loader.batch_sampler, "sampler", None)
+    if not isinstance(sampler, DistributedSampler) or where.sharers == 1:
+        return
+    if (sampler.num_replicas, sampler.rank) != (where.dp_size, where.dp_rank):
+        raise ConfigurationError(
+            f"DistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) on "
+            f"rank {where.rank}, where groups of {where.sharers} ranks (tp=, sp= or pp=) share "
+            "each batch: it would give every rank of a group other samples. Pass "
+            "num_replicas=state().dp_size, rank=state().dp_rank, or drop the sampler "
+            "(accel_ctx then gives each group its share).")
+
+
 def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0) -> ShardPlan:
     job = stack.job if stack is not None else None
     # data-parallel coordinates: the ranks of a tensor-parallel group get the same batches
     # and over replica groups too: group g's ranks take the g-th block of dp_size shares
+    if job is not None and _already_sharded(loader):
+        _check_own_sampler(loader, job.coordinates)
     if job is None or _already_sharded(loader):
         return ShardPlan(skip=skip)
     where, launch = job.coordinates, job.launch

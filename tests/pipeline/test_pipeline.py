@@ -161,6 +161,7 @@ MISUSES = {
     "no_batch": "without a batched tensor argument",
     "local_sgd": "pipeline parallelism (pp=) each rank holds only part of it",
     "after_called_before": "a part registered after the model's blocks",
+    "own_sampler": "Pass num_replicas=state().dp_size, rank=state().dp_rank, or drop the sampler",
     "skipped_block": "the forward returned before calling every block",
 }
 

@@ -250,7 +250,14 @@ def misuses() -> dict[str, str]:
         with distributed(pp=2), local_sgd(every=2):
             pass
 
-    out.update(pp3=_error(pp3), nested=_error(nested), compiled=_error(compiled),
+    def own_sampler() -> None:  # kept from a DDP script: one share per rank, not per pipeline
+        from torch.utils.data import DistributedSampler
+
+        with distributed(pp=2):
+            data = tokens()
+            next(iter(DataLoader(data, batch_size=4, sampler=DistributedSampler(data))))
+
+    out.update(own_sampler=_error(own_sampler), pp3=_error(pp3), nested=_error(nested), compiled=_error(compiled),
                no_batch=_error(no_batch), local_sgd=_error(local_sgd_inside),
                after_called_before=_error(lambda: _first_step(EmbedAfter())),
                skipped_block=_error(lambda: _first_step(SkipsLast())))
