@@ -42,7 +42,7 @@ from .pipeline_cut import (
     cut,
 )
 from .pipeline_link import Bound, GradsBack, Link, Output
-from .pipeline_schedule import Scheduled, refuse_unsupported
+from .pipeline_schedule import Scheduled, refuse_loss_scaling, refuse_unsupported
 
 # what a stage found wrong, sent on with the activation and shared with the output, so that
 # every stage refuses the step alike (flag -> message)
@@ -118,6 +118,8 @@ class PipelineRunner(nn.Module):
         return max(1, min(self.microbatches, rows))
 
     def _gpipe(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
+        if grad:
+            refuse_loss_scaling()
         if grad and self.pending:
             raise ConfigurationError(
                 "pp=: a second forward with gradients before the first one's backward. Under "

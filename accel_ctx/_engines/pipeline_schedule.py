@@ -52,15 +52,23 @@ class _StageModule(nn.Module):
             self.mailbox.received = None
 
 
-def refuse_unsupported() -> None:
-    """What a schedule that runs the backward inside the call cannot honour."""
+def refuse_loss_scaling() -> None:
+    """fp16's loss scaling: each stage would judge an overflow in its own gradients only, and
+    skip its step (and change its scale) without the others."""
     stack = _state.current()
     for concern in stack.concerns if stack is not None else ():
         if concern.loss_scaling() is not None:
             raise ConfigurationError(
-                "pp= with loss_fn=: fp16's loss scaling scales the loss before the backward, "
-                "which torch's schedule runs inside the call. Use mixed_precision('bf16'), or "
-                "the plain loop (no loss_fn=).")
+                "pp= with mixed_precision('fp16'): its loss scaling finds an overflow per stage, "
+                "and a stage would skip its step while the others take theirs. Use "
+                "mixed_precision('bf16') (no loss scaling) with a pipeline.")
+
+
+def refuse_unsupported() -> None:
+    """What a schedule that runs the backward inside the call cannot honour."""
+    refuse_loss_scaling()
+    stack = _state.current()
+    for concern in stack.concerns if stack is not None else ():
         if concern.snapshot().get("accumulation_steps", 1) > 1:
             raise ConfigurationError(
                 "pp= with loss_fn= inside accumulate(k): the schedule's backward runs inside "

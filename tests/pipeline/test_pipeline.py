@@ -117,6 +117,7 @@ def test_a_schedule_given_the_loss_trains_like_one_process(two, schedule):
 @pytest.mark.parametrize("case, text", [
     ("without_target", "call model(x, target=y), which returns the loss"),
     ("accumulated", "inside accumulate(k): the schedule's backward runs inside the call"),
+    ("fp16", "its loss scaling finds an overflow per stage"),
 ])
 def test_a_schedule_given_the_loss_refuses_what_it_cannot_honour(two, case, text):
     for rank, result in enumerate(two):
@@ -161,6 +162,7 @@ MISUSES = {
     "no_batch": "without a batched tensor argument",
     "local_sgd": "pipeline parallelism (pp=) each rank holds only part of it",
     "after_called_before": "a part registered after the model's blocks",
+    "fp16": "its loss scaling finds an overflow per stage",
     "own_sampler": "Pass num_replicas=state().dp_size, rank=state().dp_rank, or drop the sampler",
     "skipped_block": "the forward returned before calling every block",
 }

@@ -257,7 +257,11 @@ def misuses() -> dict[str, str]:
             data = tokens()
             next(iter(DataLoader(data, batch_size=4, sampler=DistributedSampler(data))))
 
-    out.update(own_sampler=_error(own_sampler), pp3=_error(pp3), nested=_error(nested), compiled=_error(compiled),
+    def fp16() -> None:
+        with distributed(pp=2), mixed_precision("fp16"):
+            LM()(torch.randint(0, VOCAB, (4, LENGTH))).float().mean().backward()
+
+    out.update(fp16=_error(fp16), own_sampler=_error(own_sampler), pp3=_error(pp3), nested=_error(nested), compiled=_error(compiled),
                no_batch=_error(no_batch), local_sgd=_error(local_sgd_inside),
                after_called_before=_error(lambda: _first_step(EmbedAfter())),
                skipped_block=_error(lambda: _first_step(SkipsLast())))
@@ -323,7 +327,13 @@ def scheduled_misuses() -> dict[str, str]:
             x = torch.randint(0, VOCAB, (4, LENGTH))
             LM()(x, target=x)
 
-    return {"without_target": _error(without_target), "accumulated": _error(accumulated)}
+    def fp16() -> None:
+        with distributed(pp=2, schedule="1f1b", loss_fn=ce), mixed_precision("fp16"):
+            x = torch.randint(0, VOCAB, (4, LENGTH))
+            LM()(x, target=x)
+
+    return {"without_target": _error(without_target), "accumulated": _error(accumulated),
+            "fp16": _error(fp16)}
 
 
 def four_ranks() -> dict[str, Any]:
