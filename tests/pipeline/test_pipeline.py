@@ -68,6 +68,7 @@ def test_pp2_trains_like_one_process_with_the_same_micro_batches(two):
     ("micro4", dict(batch=4, micro=4, epochs=1)),
     ("uneven", dict(batch=3, micro=2, epochs=1, clip=None)),  # micro-batches of 2 and 1
     ("decorated", dict(batch=4, micro=2, epochs=1)),  # @distributed(pp=2, microbatches=2)
+    ("accumulate", dict(batch=2, epochs=1, steps_per_group=2)),  # accumulate(2) around it
 ])
 def test_the_loops_variants_train_like_one_process(two, variant, reference):
     want = w.train(None, **reference)

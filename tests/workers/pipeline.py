@@ -84,12 +84,15 @@ def _evaluate(model: nn.Module, micro: int, by_hand: bool) -> float:
 
 
 def train(pp: int | None, batch: int, micro: int = 2, epochs: int = 2, clip: float | None = 0.5,
-          ckpt: str | None = None, precision: str | None = None) -> dict[str, Any]:
+          ckpt: str | None = None, precision: str | None = None,
+          steps_per_group: int = 1) -> dict[str, Any]:
     """The user's script (``pp=None``: one process, the batch cut by hand into ``micro``)."""
+    from accel_ctx import accumulate
+
     torch.manual_seed(0)
     scope = distributed(pp=pp, microbatches=micro) if pp else contextlib.nullcontext()
     amp = mixed_precision(precision) if precision else contextlib.nullcontext()
-    with scope, amp:
+    with scope, amp, accumulate(steps_per_group):
         model = LM()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         loader = DataLoader(tokens(), batch_size=batch, shuffle=True)
@@ -304,6 +307,7 @@ def two_ranks(root: str) -> dict[str, Any]:
         "micro4": train(2, 4, micro=4, epochs=1),
         "uneven": train(2, 3, micro=2, epochs=1, clip=None),  # 3 rows: 2 + 1, a tail of 2
         "bf16": train(2, 4, epochs=1, precision="bf16"),
+        "accumulate": train(2, 2, epochs=1, steps_per_group=2),
         "decorated": decorated(),
         "1f1b": train_scheduled("1f1b", 4),
         "gpipe_scheduled": train_scheduled("gpipe", 4),
