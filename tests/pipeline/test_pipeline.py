@@ -126,7 +126,7 @@ def test_a_schedule_given_the_loss_refuses_what_it_cannot_honour(two, case, text
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
-def test_what_pp2_saved_loads_into_one_process_and_trains_on_alike(spawned):
+def test_what_pp2_saved_loads_into_one_process_bit_for_bit_and_resumes_bit_for_bit(spawned):
     root, two = spawned
     saved = {**two[0]["plain"]["weights"], **two[1]["plain"]["weights"]}
     one = w.resume(str(root / "ckpt"), None, 4)
@@ -139,6 +139,10 @@ def test_what_pp2_saved_loads_into_one_process_and_trains_on_alike(spawned):
         assert torch.equal(whole[key], value), key
     for rank, result in enumerate(two):  # the same checkpoint back into the pipeline
         resumed = result["resumed"]
+        # ...resumes bit for bit as the pipeline that never stopped went on
+        assert resumed["losses"] == result["plain"]["then"]["losses"], rank
+        for key, value in result["plain"]["then"]["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), (rank, key)
         for key, value in resumed["loaded"].items():
             assert torch.equal(value, saved[key]), (rank, key)
         for key, value in resumed["moments"].items():  # AdamW's moments came back too

@@ -85,7 +85,7 @@ def _evaluate(model: nn.Module, micro: int, by_hand: bool) -> float:
 
 def train(pp: int | None, batch: int, micro: int = 2, epochs: int = 2, clip: float | None = 0.5,
           ckpt: str | None = None, precision: str | None = None,
-          steps_per_group: int = 1) -> dict[str, Any]:
+          steps_per_group: int = 1, then: int = 0) -> dict[str, Any]:
     """The user's script (``pp=None``: one process, the batch cut by hand into ``micro``)."""
     from accel_ctx import accumulate
 
@@ -104,8 +104,13 @@ def train(pp: int | None, batch: int, micro: int = 2, epochs: int = 2, clip: flo
             save_model(model, f"{ckpt}-model.pt")  # the whole model's weights, in one file
         evaluated = _evaluate(model, micro, pp is None)
         where = {"dp": state().dp_size, "pp": state().pp_size, "pp_rank": state().pp_rank}
-        return {"losses": losses, "weights": weights(model), "eval": evaluated, "where": where,
-                "params": sum(p.numel() for p in opt.param_groups[0]["params"])}
+        out = {"losses": losses, "weights": weights(model), "eval": evaluated, "where": where,
+               "params": sum(p.numel() for p in opt.param_groups[0]["params"])}
+        if then:  # the run goes on as resume() does from the checkpoint: never stopped
+            loader = DataLoader(tokens(), batch_size=batch, shuffle=False)
+            out["then"] = {"losses": _loop(model, opt, loader, then, micro, pp is None, 0.5),
+                           "weights": weights(model)}
+        return out
 
 
 def ce(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -303,7 +308,7 @@ def decorated() -> dict[str, Any]:
 def two_ranks(root: str) -> dict[str, Any]:
     """pp=2 on 2 ranks: the plain loop, bf16, a checkpoint, the misuses."""
     out = {
-        "plain": train(2, 4, ckpt=f"{root}/ckpt"),
+        "plain": train(2, 4, ckpt=f"{root}/ckpt", then=4),
         "micro4": train(2, 4, micro=4, epochs=1),
         "uneven": train(2, 3, micro=2, epochs=1, clip=None),  # 3 rows: 2 + 1, a tail of 2
         "bf16": train(2, 4, epochs=1, precision="bf16"),
