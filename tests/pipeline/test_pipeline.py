@@ -219,10 +219,10 @@ def test_the_cut_keeps_the_whole_models_names_and_stands_in_for_the_rest():
     assert "wte: before" in repr(model) and "blocks.0: block" in repr(model)
 
 
-# ---- a fault -------------------------------------------------------------------------------------
-def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
+# ---- faults ---------------------------------------------------------------------------------------
+def _launch(tmp_path, script_name):
     (tmp_path / ".git").mkdir()  # a project root: no config file from above
-    script = ROOT / "tests" / "scripts" / "pipeline_stage_dies.py"
+    script = ROOT / "tests" / "scripts" / script_name
     env = {**os.environ, **child_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -236,6 +236,20 @@ def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
             proc.wait()
     text = output.decode(errors="replace")
     assert proc.returncode != 0, text
+    return text, start
+
+
+def test_a_stage_that_stops_mid_step_is_named_within_the_timeout(tmp_path):
+    # SIGSTOP in its forward: the first stage waits in a send to it, which gloo gives up on at
+    # distributed(timeout=20); the watch then says who stopped answering
+    text, start = _launch(tmp_path, "pipeline_stage_stops.py")
+    assert "rank 1 caused the failure" in text and "rank 1 stopped answering at step 3" in text, \
+        text
+    assert time.monotonic() - start < scaled(120), text  # not distributed()'s default 10 min
+
+
+def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
+    text, start = _launch(tmp_path, "pipeline_stage_dies.py")
     # named by rank 0, or by the launcher when it sees rank 1's exit first and stops the job
     assert ("rank 1 caused the failure" in text or ("rank 1 (local rank 1" in text
             and "exited with code 3" in text)), text
