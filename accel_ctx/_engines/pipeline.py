@@ -11,12 +11,14 @@ output, whole, is handed to every stage, so ``model(x)`` returns the model's out
 rank and the user's loss is the real loss everywhere. On the earlier stages that output is bound
 by ``pipeline_link.Output`` to what the stage sent: the user's ``loss.backward()`` reaches
 each micro-batch's ``Bound``, which receives the next stage's gradient for it, and autograd
-carries on through that micro-batch's part of the stage while the next stage works on the next. With ``loss_fn=``, a call given ``target=`` runs torch's own schedule instead
+carries on through that micro-batch's part of the stage while the next stage works on the
+next. With ``loss_fn=``, a call given ``target=`` runs torch's own schedule instead
 (``_engines.pipeline_schedule``: GPipe or 1F1B, the backward inside the call).
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -31,6 +33,7 @@ from ..errors import ConfigurationError
 from . import adopt as _adopt
 from . import fsdp as _fsdp
 from . import records as _records
+from . import replicate as _replicate
 from .pipeline_cut import (
     AFTER_CALLED_BEFORE,
     NO_TENSOR,
@@ -46,12 +49,13 @@ from .pipeline_schedule import Scheduled, refuse_loss_scaling, refuse_unsupporte
 
 # what a stage found wrong, sent on with the activation and shared with the output, so that
 # every stage refuses the step alike (flag -> message)
+_POISONED, _NOT_TENSOR = 1, 2
 _PROBLEMS = {
-    1: "the model's output at the first step is NaN. Either a value from before a stage's "
+    _POISONED: "the model's output at the first step is NaN. Either a value from before a stage's "
        "blocks reaches past them (a skip connection across stages, or a module output used by "
        "a later block besides the activation), which a pipeline cannot carry, or the model "
        "itself makes NaN.",
-    2: "the model returned something other than a tensor; a pipeline hands on one tensor "
+    _NOT_TENSOR: "the model returned something other than a tensor; a pipeline hands on one tensor "
        "(the logits). Return it alone, and compute the loss in the loop.",
     SKIPPED: "the forward returned before calling every block (a block skipped, or the blocks "
        "called in another order); a pipeline runs each block once, in order, on every call.",
@@ -62,7 +66,6 @@ _PROBLEMS = {
     NO_TENSOR: "a block{where} takes no tensor as its first argument (or as hidden_states); a "
                "pipeline carries one activation from block to block.",
 }
-_POISONED, _NOT_TENSOR, _EARLY = 1, 2, SKIPPED
 
 
 def _micro(value: Any, rows: int, count: int) -> list[Any]:
@@ -84,9 +87,9 @@ class PipelineRunner(nn.Module):
         self.pending = False  # a forward with gradients whose backward has not run yet
         self.checked = False  # the first step's output was looked at for leaked placeholders
         self.expected = -1  # the micro-batch whose gradient the backward receives next
-        self.loss_fn = job.options.loss_fn
-        self.scheduled = None if self.loss_fn is None else Scheduled(
-            job, model, mailbox, cut_.stage, self.loss_fn, job.options.schedule or "gpipe")
+        loss_fn = job.options.loss_fn
+        self.scheduled = None if loss_fn is None else Scheduled(
+            job, model, mailbox, self.link, cut_.stage, loss_fn, job.options.schedule or "gpipe")
 
     @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -106,16 +109,17 @@ class PipelineRunner(nn.Module):
         if not self.checked:  # the cut's checks, once: the first batch's forwards alone
             with torch.no_grad():
                 self._gpipe(args, kwargs, False)
-        return self.scheduled.step(args, kwargs, target, self._count(args, kwargs))
+        return self.scheduled.step(args, kwargs, target, self._rows(args, kwargs)[1])
 
-    def _count(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    def _rows(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, int]:
+        """The batch's rows and the micro-batches it is cut into."""
         rows = next((a.shape[0] for a in (*args, *kwargs.values())
                      if isinstance(a, torch.Tensor) and a.dim() >= 1), None)
         if rows is None:
             raise ConfigurationError(
                 "pp=: the model was called without a batched tensor argument; a pipeline cuts "
                 "the batch (dimension 0 of the inputs) into micro-batches.")
-        return max(1, min(self.microbatches, rows))
+        return rows, max(1, min(self.microbatches, rows))
 
     def _gpipe(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
         if grad:
@@ -126,9 +130,7 @@ class PipelineRunner(nn.Module):
                 "a pipeline each training forward is followed by its loss.backward(): combine "
                 "the outputs of several calls in one call (one batch), and run forwards whose "
                 "outputs need no backward under torch.no_grad().")
-        count = self._count(args, kwargs)
-        rows = next(a.shape[0] for a in (*args, *kwargs.values())
-                    if isinstance(a, torch.Tensor) and a.dim() >= 1)
+        rows, count = self._rows(args, kwargs)
         parts = [_micro(a, rows, count) for a in args]
         named = {k: _micro(v, rows, count) for k, v in kwargs.items()}
         stage = self.cut
@@ -166,7 +168,7 @@ class PipelineRunner(nn.Module):
             finally:
                 self.mailbox.received = None
             if not stage.last:
-                problem = _EARLY
+                problem = SKIPPED
                 self.link.send(torch.zeros(0, device=device), problem)
             elif not isinstance(out, torch.Tensor):
                 problem = _NOT_TENSOR
@@ -232,7 +234,7 @@ def _build(job: Job, module: nn.Module, session: Session
     _fsdp.broadcast_from_rank0(job, module)  # every stage starts from rank 0's weights
     stage = cut(module, where.pp_rank, where.pp_size, mailbox)
     for param in stage.removed:
-        job.adoption.replaced[id(param)] = (_weak(param), None)
+        job.adoption.replaced[id(param)] = (weakref.ref(param), None)
     _adopt.move_to_device(job, module)
     for optimizer in list(session.optimizers.keys()):
         _adopt.adopt_optimizer(job, optimizer)  # met before: only this stage's parameters
@@ -240,20 +242,7 @@ def _build(job: Job, module: nn.Module, session: Session
     if where.dp_size == 1 or not any(p.requires_grad for p in module.parameters()) or (
             runner.scheduled is not None):  # torch's stage runs DDP over the stage itself
         return runner
-    devices = {p.device for p in module.parameters()}
-    single_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
-    opts = job.options
-    return nn.parallel.DistributedDataParallel(
-        runner, device_ids=[next(iter(devices))] if single_cuda else None,
-        process_group=job.pp_mesh_2d["dp"].get_group(),
-        find_unused_parameters=opts.find_unused_parameters,
-        gradient_as_bucket_view=opts.gradient_as_bucket_view, static_graph=opts.static_graph)
-
-
-def _weak(param: nn.Parameter) -> Any:
-    import weakref
-
-    return weakref.ref(param)
+    return _replicate.build_ddp(job, runner, job.pp_mesh_2d["dp"].get_group())
 
 
 def whole_norm(job: Job, norm: torch.Tensor, norm_type: float) -> torch.Tensor:

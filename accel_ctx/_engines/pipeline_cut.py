@@ -149,7 +149,6 @@ def cut(model: nn.Module, stage: int, stages: int, mailbox: Mailbox) -> StageCut
     """Cut ``model`` in place down to ``stage``'s part; refused (before anything changes) where
     it cannot be cut: no blocks, parameters outside any part, a weight tied across stages."""
     container, blocks = _blocks_of(model, stages)
-    container_path = next(n for n, m in model.named_modules() if m is container)
     count = len(blocks)
     first, stop = stage * count // stages, (stage + 1) * count // stages
     # the parts outside the blocks: the smallest modules off the path to the container
@@ -175,7 +174,6 @@ def cut(model: nn.Module, stage: int, stages: int, mailbox: Mailbox) -> StageCut
                 parts.append((path, side))
 
     visit(model, "")
-    block_owner = {id(p): b for b in blocks for p in model.get_submodule(b).parameters()}
     owner_stage: dict[int, tuple[int, str]] = {}
 
     def stage_of(path: str, where: str) -> int:
@@ -192,7 +190,6 @@ def cut(model: nn.Module, stage: int, stages: int, mailbox: Mailbox) -> StageCut
                     f"pp={stages}: {seen[1]} and {path} share a parameter (tied weights), and "
                     f"they run on stages {seen[0]} and {at}. Untie them (give each its own "
                     "weight), or use fewer stages so that both fall on one.")
-    del block_owner
     removed: list[nn.Parameter] = []
 
     def stand_in(path: str, role: str) -> None:
@@ -211,7 +208,6 @@ def cut(model: nn.Module, stage: int, stages: int, mailbox: Mailbox) -> StageCut
     result = StageCut(stage, stages, blocks, first, stop, removed)
     entry = model.get_submodule(blocks[first])
     result.handle = entry.register_forward_pre_hook(_feeder(mailbox), with_kwargs=True)
-    del container_path
     return result
 
 

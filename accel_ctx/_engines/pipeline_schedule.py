@@ -27,6 +27,7 @@ from .._job.job import Job
 from .._kernel import state as _state
 from ..errors import ConfigurationError
 from .pipeline_cut import Mailbox, StageDone
+from .pipeline_link import Link
 
 _ARG = "_accel_ctx_arg"  # the user's positional inputs, passed as keywords to every stage
 
@@ -79,13 +80,11 @@ def refuse_unsupported() -> None:
 class Scheduled:
     """torch's schedule over this rank's stage; made per micro-batch layout."""
 
-    def __init__(self, job: Job, model: nn.Module, mailbox: Mailbox, stage: int,
+    def __init__(self, job: Job, model: nn.Module, mailbox: Mailbox, link: Link, stage: int,
                  loss_fn: Any, kind: str) -> None:
         where = job.coordinates
         self.job, self.stage, self.stages = job, stage, where.pp_size
-        self.loss_fn, self.kind = loss_fn, kind
-        self.group = job.pp_mesh_2d["pp"].get_group()
-        self.last_rank = job.rank - where.pp_rank + where.pp_size - 1
+        self.loss_fn, self.kind, self.link = loss_fn, kind, link
         module: nn.Module = _StageModule(model, mailbox, stage == 0)
         if where.dp_size > 1:  # torch's stage holds DDP's sync back to the last micro-batch
             module = nn.parallel.DistributedDataParallel(
@@ -103,7 +102,7 @@ class Scheduled:
         schedule = self.built.get(key)
         if schedule is None:
             stage = PipelineStage(self.module, self.stage, self.stages, self.device,
-                                  group=self.group)
+                                  group=self.link.group)
             kind = Schedule1F1B if self.kind == "1f1b" else ScheduleGPipe
             schedule = self.built[key] = kind(stage, count, loss_fn=self.loss_fn)
         return schedule
@@ -118,6 +117,6 @@ class Scheduled:
                                           losses=losses if last else None, **named)
         value = (torch.stack([loss.detach().float() for loss in losses]).mean() if last
                  else torch.zeros((), device=self.device))
-        dist.broadcast(value, self.last_rank, group=self.group)
+        dist.broadcast(value, self.link.last_rank, group=self.link.group)
         # the backward ran: the loop's loss.backward() on this loss has nothing left to do
         return value.requires_grad_()

@@ -127,10 +127,13 @@ def _engine_for(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParal
                 f"{job.device.type}; BatchNorm statistics stay per rank here. It takes "
                 "effect on CUDA devices.",
                 RuntimeWarning)
-    return _ddp(job, module)
+    return build_ddp(job, module)
 
 
-def _ddp(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel:
+def build_ddp(job: Job, module: nn.Module, group: Any = None
+              ) -> nn.parallel.DistributedDataParallel:
+    """DDP over ``module`` with the scope's options, averaging over ``group`` (None: the job's;
+    a pipeline stage: its "dp" ranks)."""
     opts = job.options
     devices = {p.device for p in module.parameters()}
     single_cuda = len(devices) == 1 and next(iter(devices)).type == "cuda"
@@ -145,6 +148,7 @@ def _ddp(job: Job, module: nn.Module) -> nn.parallel.DistributedDataParallel:
         find_unused_parameters=opts.find_unused_parameters,
         gradient_as_bucket_view=opts.gradient_as_bucket_view,
         static_graph=opts.static_graph,
+        process_group=group,
         **kwargs,
     )
     if opts.comm_hook is not None:
