@@ -226,6 +226,13 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
     check_optimizers(folder, stateful, {n: p for n, p in params.items() if n in chosen})
     templates: dict[str, Any] = {}
     flat: dict[str, Any] = {}  # per optimizer: keyed as saved (a pipeline's: by name)
+    metadata: dict[str, Any] = {}
+
+    def saved() -> dict[str, Any]:  # the checkpoint's keys, read once, when first needed
+        if not metadata:
+            metadata.update(files.SafeReader(folder).read_metadata().state_dict_metadata)
+        return metadata
+
     engines = {n: e for n, o in chosen.items() if (e := _forms.engine_form(o)) is not None}
     for name, obj in chosen.items():
         if name in engines:
@@ -236,12 +243,12 @@ def load(folder: Path, stateful: dict[str, Any], forms: dict[str, Any],
             # with no gradients (cleared by load_state), DCP creates a missing state by a
             # zero step, so the template has every entry of the checkpoint
             module = _owner_module(forms[name], stateful, name)
-            flat[name] = _stages.optimizer_options(_stages.saved_flat(folder, name))
+            flat[name] = _stages.optimizer_options(_stages.saved_flat(saved(), name))
             templates[name] = get_optimizer_state_dict(module, obj, options=flat[name])
         elif not isinstance(obj, torch.optim.Optimizer):
             templates[name] = obj.state_dict()
     if templates:
-        _check_keys(folder, templates, chosen)
+        _check_keys(folder, saved(), templates, chosen)
         with checkpoint_errors(folder, "load"):
             dcp_load(templates, storage_reader=files.SafeReader(folder),
                      planner=files.SafeLoadPlanner(), no_dist=not collective())
@@ -301,9 +308,10 @@ def checkpoint_errors(folder: Path, verb: str, root: Path | None = None) -> Iter
         raise CheckpointError(f"rank {rank} could not {verb} {folder}: {error!r}") from None
 
 
-def _check_keys(folder: Path, templates: dict[str, Any], stateful: dict[str, Any]) -> None:
-    """Name the keys that differ before DCP fails on the first one."""
-    saved = files.SafeReader(folder).read_metadata().state_dict_metadata
+def _check_keys(folder: Path, saved: dict[str, Any], templates: dict[str, Any],
+                stateful: dict[str, Any]) -> None:
+    """Name the keys that differ from ``saved`` (the checkpoint's metadata) before DCP fails on
+    the first one."""
     problems = []
     for name, template in templates.items():
         flat, _ = flatten_state_dict({name: template})

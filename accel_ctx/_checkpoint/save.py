@@ -157,8 +157,11 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
         except Exception as exc:  # reported to every rank by agree(), not left to hang
             error = guard.explain(exc, root)
     try:
+        # a pipeline's stages each know their part of the optimizers' names: gathered too
+        stages = pipeline.stages()
+        names = objs.optimizer_params(stateful) if stages > 1 or rank == 0 else {}
         gathered = objs.gather((str(tmp), [_position.yielded(loader) for _, loader in loaders],
-                                objs.optimizer_params(stateful)), group)
+                                names if stages > 1 else None), group)
         objs.agree(error, "create the checkpoint folder", None, group)
         tmp = Path(gathered[0][0])
         counters = owned.capture_counters(stack, stateful)
@@ -179,8 +182,8 @@ def stage(root: Path, keep_last: int | None, objects: dict[str, Any], group: Any
             plain = {n: stateful[n].state_dict() for n, form in forms.items() if form is None}
             shared = {"counters": counters, "loaders": positions, "world_size": world,
                       "optimizers": forms, "plain": plain, "info": info,
-                      "optimizer_params": pipeline.joined([g[2] for g in gathered],
-                                                          pipeline.stages())}
+                      "optimizer_params": pipeline.joined(
+                          [names, *(g[2] for g in gathered[1:])], stages)}
         state_dict, mine, shared = copy_tree((state_dict, mine, shared))
     except BaseException:
         if rank == 0:

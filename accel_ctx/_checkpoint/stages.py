@@ -16,7 +16,7 @@ Examples:
 
 from __future__ import annotations
 
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any
 
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -31,7 +31,9 @@ def stages() -> int:
 
 def joined(per_rank: list[dict[str, Any]], count: int) -> dict[str, Any]:
     """The optimizers' parameter names over the first pipeline's ``count`` stages (ranks
-    ``0..count-1``), each param group's names in stage order."""
+    ``0..count-1``), each param group's names in stage order (``count`` 1: rank 0's)."""
+    if count == 1:
+        return per_rank[0]
     out: dict[str, Any] = {}
     for name, record in per_rank[0].items():
         groups = [list(g) for g in record["params"]]
@@ -60,12 +62,11 @@ def saves_flat() -> bool:
     return stages() > 1
 
 
-def saved_flat(folder: Path, name: str) -> bool:
-    """Whether the checkpoint in ``folder`` keeps optimizer ``name``'s groups by parameter name."""
-    from .files import SafeReader
-
+def saved_flat(saved: Iterable[str], name: str) -> bool:
+    """Whether a checkpoint whose keys are ``saved`` keeps optimizer ``name``'s groups by
+    parameter name."""
     prefix = f"{name}.param_groups."
-    for key in SafeReader(folder).read_metadata().state_dict_metadata:
+    for key in saved:
         if key.startswith(prefix):
             return not key[len(prefix):].split(".", 1)[0].isdigit()
     return False
