@@ -43,12 +43,17 @@ from .torch_private import sampler_iterator
 __all__ = ["ScopedIterator", "ShardPlan", "plan_for", "scoped_iter", "scoped_len"]
 
 
+def _own_sampler(loader: DataLoader[Any]) -> DistributedSampler[Any] | None:
+    """The user's own DistributedSampler (the loader's, or its batch sampler's), if any."""
+    for sampler in (loader.sampler, getattr(loader.batch_sampler, "sampler", None)):
+        if isinstance(sampler, DistributedSampler):
+            return sampler
+    return None
+
+
 def _already_sharded(loader: DataLoader[Any]) -> bool:
     """The user's own DistributedSampler already gives each rank its share."""
-    sampler = loader.sampler
-    batch_sampler = loader.batch_sampler
-    inner = getattr(batch_sampler, "sampler", None)
-    return isinstance(sampler, DistributedSampler) or isinstance(inner, DistributedSampler)
+    return _own_sampler(loader) is not None
 
 
 def _draws_no_randomness(loader: DataLoader[Any]) -> bool:
@@ -67,14 +72,11 @@ def _drops_last(loader: DataLoader[Any]) -> bool:
     return bool(loader.drop_last) or getattr(loader.batch_sampler, "drop_last", False) is True
 
 
-def _check_own_sampler(loader: DataLoader[Any], where: Coordinates) -> None:
+def _check_own_sampler(sampler: DistributedSampler[Any], where: Coordinates) -> None:
     """The user's DistributedSampler under tp=/sp=/pp=: the ranks that share a batch must draw
     the same one, so it must count data-parallel ranks, not every rank."""
-    sampler = loader.sampler if isinstance(loader.sampler, DistributedSampler) else getattr(
-        loader.batch_sampler, "sampler", None)
-    if not isinstance(sampler, DistributedSampler) or where.sharers == 1:
-        return
-    if (sampler.num_replicas, sampler.rank) != (where.dp_size, where.dp_rank):
+    if where.sharers > 1 and (sampler.num_replicas, sampler.rank) != (where.dp_size,
+                                                                        where.dp_rank):
         raise ConfigurationError(
             f"DistributedSampler(num_replicas={sampler.num_replicas}, rank={sampler.rank}) on "
             f"rank {where.rank}, where groups of {where.sharers} ranks (tp=, sp= or pp=) share "
@@ -87,9 +89,10 @@ def plan_for(loader: DataLoader[Any], stack: _state.Stack | None, skip: int = 0)
     job = stack.job if stack is not None else None
     # data-parallel coordinates: the ranks of a tensor-parallel group get the same batches
     # and over replica groups too: group g's ranks take the g-th block of dp_size shares
-    if job is not None and _already_sharded(loader):
-        _check_own_sampler(loader, job.coordinates)
-    if job is None or _already_sharded(loader):
+    own = _own_sampler(loader)
+    if job is not None and own is not None:
+        _check_own_sampler(own, job.coordinates)
+    if job is None or own is not None:
         return ShardPlan(skip=skip)
     where, launch = job.coordinates, job.launch
     size = where.dp_size * launch.replica_groups
