@@ -220,13 +220,13 @@ def test_the_cut_keeps_the_whole_models_names_and_stands_in_for_the_rest():
 
 
 # ---- faults ---------------------------------------------------------------------------------------
-def _launch(tmp_path, script_name):
+def _launch(tmp_path, fault):
     (tmp_path / ".git").mkdir()  # a project root: no config file from above
-    script = ROOT / "tests" / "scripts" / script_name
+    script = ROOT / "tests" / "scripts" / "pipeline_stage_fault.py"
     env = {**os.environ, **child_env(), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.Popen(
-        [ACCEL_CTX, "launch", "-n", "2", str(script)], cwd=tmp_path, env=env,
+        [ACCEL_CTX, "launch", "-n", "2", str(script), fault], cwd=tmp_path, env=env,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=scaled(150))
@@ -242,14 +242,14 @@ def _launch(tmp_path, script_name):
 def test_a_stage_that_stops_mid_step_is_named_within_the_timeout(tmp_path):
     # SIGSTOP in its forward: the first stage waits in a send to it, which gloo gives up on at
     # distributed(timeout=20); the watch then says who stopped answering
-    text, start = _launch(tmp_path, "pipeline_stage_stops.py")
+    text, start = _launch(tmp_path, "stops")
     assert "rank 1 caused the failure" in text and "rank 1 stopped answering at step 3" in text, \
         text
     assert time.monotonic() - start < scaled(120), text  # not distributed()'s default 10 min
 
 
 def test_a_stage_that_dies_mid_step_is_named_by_the_other(tmp_path):
-    text, start = _launch(tmp_path, "pipeline_stage_dies.py")
+    text, start = _launch(tmp_path, "dies")
     # named by rank 0, or by the launcher when it sees rank 1's exit first and stops the job
     assert ("rank 1 caused the failure" in text or ("rank 1 (local rank 1" in text
             and "exited with code 3" in text)), text

@@ -27,9 +27,12 @@ from accel_ctx import (
     save_state,
     state,
 )
-from accel_ctx.errors import ConfigurationError
 
-from .sequence_parallel import WIDTH, Block  # a transformer block: qkv, causal SDPA, MLP
+from .sequence_parallel import (
+    WIDTH,
+    Block,  # a transformer block: qkv, causal SDPA, MLP
+    _error,  # the message a ConfigurationError gives, or "no error"
+)
 
 VOCAB, BLOCKS, LENGTH, SAMPLES = 32, 4, 8, 32
 
@@ -159,14 +162,6 @@ def resume(ckpt: str, pp: int | None, batch: int, micro: int = 2, steps: int = 4
 def _moments(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: s["exp_avg"] for p, s in opt.state.items()}
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except ConfigurationError as exc:
-        return str(exc)
-    return "no error"
 
 
 def _first_step(model: nn.Module, twice: bool = False, **call: Any) -> None:
