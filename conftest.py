@@ -25,6 +25,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--record-durations", action="store_true", help=(
         "merge each file's seconds into tests/durations.json, the order the files are handed "
         "out in (tests/_durations.py; ./dev durations)"))
+    parser.addoption("--record-cpu", metavar="FILE", help=(
+        "count each test file's CPU-seconds (its processes' cgroup) into FILE (tests/_cpu.py)"))
 
 
 def pytest_ignore_collect(collection_path: Path, config: object) -> bool | None:

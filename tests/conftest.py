@@ -20,7 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from accel_ctx._hooks import patches as _patches
 from accel_ctx._kernel import state as _state
 
-from . import _durations, _fast, _timeouts
+from . import _cpu, _durations, _fast, _timeouts
 
 torch.set_num_threads(1)
 
@@ -153,6 +153,7 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
     if config.getoption("record_durations", False) and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_durations.Recorder(config.rootpath), "accel_ctx-durations")
+    _cpu.configure(config)
 
 
 def _dispatch_order(items: list[pytest.Item], root: Path) -> list[pytest.Item]:
