@@ -70,6 +70,7 @@ class WorkerRecorder:
         self.out, self.worker = out, worker
         self.counter = own_group(f"accel-ctx-tests-{os.getpid()}")
         self.files: dict[str, float] = defaultdict(float)
+        self.by_test = os.environ.get("ACCEL_CTX_CPU_BY_TEST") == "1"  # each test, not file
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item) -> Generator[None, object, object]:
@@ -77,7 +78,8 @@ class WorkerRecorder:
         try:
             return (yield)
         finally:
-            self.files[item.nodeid.split("::", 1)[0]] += self.counter.seconds() - before
+            name = item.nodeid if self.by_test else item.nodeid.split("::", 1)[0]
+            self.files[name] += self.counter.seconds() - before
 
     def pytest_sessionfinish(self) -> None:
         part = self.out.with_name(f"{self.out.name}.{self.worker}")

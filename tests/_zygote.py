@@ -18,9 +18,11 @@ would: its own session, the client's environment, folder, ``sys.argv``, ``sys.pa
 unbuffered streams, default signal handlers, Python's and NumPy's global RNGs seeded afresh.
 What a fork cannot give is left to the real interpreter: a request whose interpreter options or
 import-time environment (``TORCH*``, ``PYTHON*``, ``OMP_*``...) differ from the server's runs
-``python`` itself (``os.execv``), as does every request when the server cannot be reached.
-One thing no child can differ in: the string hash seed (``PYTHONHASHSEED``), the server's for
-all; the examples, the demo and tests/launcher/test_cli_launch.py run real interpreters.
+``python`` itself (``os.execv``), as does every request when the server cannot be reached;
+``PYTHONWARNINGS`` is applied in the child. One thing no child can differ in: the string hash
+seed (``PYTHONHASHSEED``), the server's for all; the demo (the README's quick start), the
+import checks and tests/launcher/test_cli_launch.py run real interpreters. Single-process
+scripts a test runs many times fork through ``run_script``; the examples fork as well.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from . import _spawn
 
@@ -57,8 +61,18 @@ ROOT = Path(__file__).resolve().parent.parent
 # their assertions (the group seen leaving, then back) are written for.
 _REPLICA_GROUPS = ("TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID", "NUM_REPLICA_GROUPS")
 FORK_REPLICA_WORKERS = "ACCEL_CTX_TEST_FORK_REPLICA_WORKERS"
+# `launch --replica-groups`'s group launchers fork too (they never restart; their workers do,
+# as FORK_REPLICA_WORKERS says): a forked launcher finds this client as its sys.executable.
+# A group launcher checks that its parent is the launcher named here
+# (accel_ctx/_launch/replica_groups.py); forked, its parent is this server, which the child's
+# variable then names, and the client, the launcher's real child, asks Linux for SIGTERM when
+# the launcher dies (relayed to the child, as PR_SET_PDEATHSIG would send it to the real
+# group launcher).
+_PARENT_VAR = "ACCEL_CTX_REPLICA_LAUNCHER"
+_LAUNCHERS = ("accel-ctx", "accel_ctx.cli")
 # Read when used, not at import.
 _ALLOWED = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "OMP_NUM_THREADS", "PYTHONUNBUFFERED",
+            "PYTHONWARNINGS",  # applied in the child (_warnings_as_asked)
             "PYTHON_EXEC")
 _AT_IMPORT = ("TORCH", "PYTORCH", "PYTHON", "OMP_", "MKL", "KMP_", "CUDA", "NCCL", "LD_")
 _GROUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -73,7 +87,11 @@ try:
     conn.connect(PATH)
 except OSError:
     os.execv(REAL, [REAL, *args])
-request = json.dumps({{"args": args, "env": dict(os.environ), "cwd": os.getcwd()}}).encode()
+if {parent_var!r} in os.environ:  # a replica group's launcher: it ends with the one above
+    import ctypes
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+request = json.dumps({{"args": args, "env": dict(os.environ), "cwd": os.getcwd(),
+                      "ppid": os.getppid()}}).encode()
 socket.send_fds(conn, [struct.pack("!I", len(request)) + request], [0, 1, 2])
 reader = conn.makefile("r")
 first = reader.readline().split()
@@ -101,6 +119,7 @@ _server: subprocess.Popen[bytes] | None = None
 # TORCHINDUCTOR_CACHE_DIR): a request is compared with the first; its child gets the second too.
 _BEFORE_IMPORTS: dict[str, str] = {}
 _SET_BY_IMPORTS: dict[str, str] = {}
+_FRESH_FILTERS = 0  # how many warning filters Python starts with (the server's, before imports)
 _client: str | None = None
 
 
@@ -115,7 +134,7 @@ def python_exec() -> str:
     client = folder / "python"
     client.write_text(f"#!{sys.executable} -IS\n" + _CLIENT.format(
         real=sys.executable, path=path, group=[int(s) for s in _GROUP_SIGNALS],
-        relayed=[int(s) for s in (*_GROUP_SIGNALS, *_PID_SIGNALS)]))
+        relayed=[int(s) for s in (*_GROUP_SIGNALS, *_PID_SIGNALS)], parent_var=_PARENT_VAR))
     client.chmod(client.stat().st_mode | stat.S_IXUSR)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
            "PYTHON_EXEC": str(client)}
@@ -133,11 +152,29 @@ def python_exec() -> str:
     return _client
 
 
+def run_script(script: str, *args: str, **options: Any) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` forked from the server (``subprocess.run``'s ``options``: ``env``,
+    ``cwd``, ``timeout``...; output captured as text): a single-process script a test runs
+    many times over pays torch's import once. The client's exit code is the script's."""
+    options.setdefault("capture_output", True)
+    options.setdefault("text", True)
+    return subprocess.run([interpreter(), "-u", script, *args], **options)
+
+
+def interpreter() -> str:
+    """The client (``python_exec``), or the real interpreter where the run asks for fresh
+    ones (``ACCEL_CTX_TEST_FRESH_WORKERS=1``)."""
+    fresh = os.environ.get("ACCEL_CTX_TEST_FRESH_WORKERS") == "1"
+    return sys.executable if fresh else python_exec()
+
+
 def serve(path: str, owner: int) -> None:
     """The server's loop: fork a child per request, tell each client how its child ended; end
     when ``owner`` (the pytest process) is gone."""
     global _BEFORE_IMPORTS, _SET_BY_IMPORTS
+    global _FRESH_FILTERS
     _BEFORE_IMPORTS = dict(os.environ)
+    _FRESH_FILTERS = len(warnings.filters)
     for name in _spawn.PRELOAD:
         importlib.import_module(name)
     _SET_BY_IMPORTS = {k: v for k, v in os.environ.items() if _BEFORE_IMPORTS.get(k) != v}
@@ -187,7 +224,7 @@ def _answer(conn: socket.socket, listener: socket.socket,
         conn.close()
         return
     why = ("options" if target is None else "streams" if len(fds) != 3
-           else _differs(request["env"]))
+           else _differs(request["env"], launcher=os.path.basename(target[1]) in _LAUNCHERS))
     if why:  # the real interpreter runs it; said in the server's folder
         with open(os.path.join(os.path.dirname(listener.getsockname()), "exec.log"), "a") as f:
             f.write(f"{why}: {request['args']}\n")
@@ -211,7 +248,10 @@ def _answer(conn: socket.socket, listener: socket.socket,
 
 def _target(args: list[str]) -> tuple[str, str, list[str]] | None:
     """('file' or 'module', its name, its arguments) for ``-u SCRIPT ...`` or ``-u -m NAME ...``
-    (torchrun's two forms); None for anything else (the real interpreter runs it)."""
+    (torchrun's two forms; ``-m NAME ...`` too, a group launcher's); None for anything else
+    (the real interpreter runs it)."""
+    if args[:2] == ["-m", "accel_ctx.cli"]:
+        args = ["-u", *args]  # the child's streams are unbuffered either way
     if args[:1] != ["-u"] or len(args) < 2:
         return None
     if args[1] == "-m":
@@ -221,12 +261,12 @@ def _target(args: list[str]) -> tuple[str, str, list[str]] | None:
     return "file", args[1], args[2:]
 
 
-def _differs(env: dict[str, str]) -> str:
-    """A variable that makes a replica group, or one read at import (by Python, torch, OpenMP,
-    CUDA) whose value differs from the server's, which the child would not see; '' if none.
-    What the server's imports set themselves may be there with the same value (a forked
-    launcher passes it on)."""
-    forked_groups = env.get(FORK_REPLICA_WORKERS) == "1"
+def _differs(env: dict[str, str], launcher: bool = False) -> str:
+    """A variable that makes a replica group (a ``launcher`` may carry them: it is a group's
+    launcher), or one read at import (by Python, torch, OpenMP, CUDA) whose value differs
+    from the server's, which the child would not see; '' if none. What the server's imports set
+    themselves may be there with the same value (a forked launcher passes it on)."""
+    forked_groups = launcher or env.get(FORK_REPLICA_WORKERS) == "1"
     for key in _REPLICA_GROUPS:
         if key in env and not forked_groups:
             return key
@@ -262,9 +302,14 @@ def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
         os.environ.update(env)
         for key, value in _SET_BY_IMPORTS.items():
             os.environ.setdefault(key, value)
+        if env.get(_PARENT_VAR) == str(request.get("ppid")):
+            os.environ[_PARENT_VAR] = str(os.getppid())
+        how, name, args = target
+        if os.path.basename(name) in _LAUNCHERS:  # its replica groups' launchers fork too
+            sys.executable = env.get("PYTHON_EXEC", sys.executable)
         threading.Thread(target=_die_with_client, args=(conn,), daemon=True).start()
         _fresh_state(env)
-        how, name, args = target
+        _warnings_as_asked(env.get("PYTHONWARNINGS", ""))
         import runpy
 
         sys.argv = [name, *args]
@@ -282,6 +327,22 @@ def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
                 signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code)
+
+
+def _warnings_as_asked(options: str) -> None:
+    """The warning filters ``PYTHONWARNINGS=options`` gives a fresh interpreter: its filters
+    go between those the server's imports added (in front, as after a real interpreter's
+    imports) and Python's defaults. What torch's import warned in the server is not shown."""
+    asked = [o for o in options.split(",") if o]
+    if not asked or asked == sys.warnoptions:
+        return
+    imports_added = warnings.filters[:len(warnings.filters) - _FRESH_FILTERS]
+    defaults = warnings.filters[len(imports_added):]
+    warnings.filters[:] = []
+    warnings._processoptions(asked)  # type: ignore[attr-defined]  # as Python's startup
+    warnings.filters[:] = [*imports_added, *warnings.filters, *defaults]
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+    sys.warnoptions[:] = asked  # what multiprocessing hands its children as -W
 
 
 def _fresh_state(env: dict[str, str]) -> None:

@@ -18,17 +18,13 @@ rank 0's RNG), so the result is allclose (fp32; only the summation order differs
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from .. import _launcher
 from .._spawn import spawn
-from .._timeouts import scaled
 from ..workers import checkpoint as ck
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -123,22 +119,11 @@ def test_saved_on_2_ranks_resumed_on_another_number(runs, world):
 def test_a_killed_rank_restarts_from_the_newest_checkpoint_and_ends_the_same(runs, tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    (tmp_path / ".git").mkdir()  # a project root: no accel-ctx.toml from above
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-           "XDG_CONFIG_HOME": str(tmp_path / "xdg")}
-    launcher = str(Path(sys.executable).with_name("accel-ctx"))
     script = str(ROOT / "tests" / "scripts" / "checkpoint_train.py")
-    log = tmp_path / "job.log"
-    with log.open("wb") as f:
-        proc = subprocess.Popen([launcher, "launch", "-n", "2", "--max-restarts", "1", script,
-                                 str(ckpt), str(out), "10"], cwd=tmp_path, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        code = proc.wait(timeout=scaled(300))
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        raise
+    # forked from tests/_zygote.py's server, the launcher and the restarted workers too
+    proc, log = _launcher.start(["-n", "2", "--max-restarts", "1", script, str(ckpt), str(out),
+                                 "10"], tmp_path, "job.log")
+    code = _launcher.finish(proc, 300)
     assert code == 0, log.read_text()
     # attempt 0 started fresh; rank 1 died after 10 micro-batches (checkpoints at 4 and 8);
     # attempt 1 resumed from the one at micro-batch 8 = optimizer step 4

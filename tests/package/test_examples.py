@@ -5,13 +5,13 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from .. import _zygote
 from .._timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,16 +33,28 @@ def unexpected_warnings(stderr: str) -> list[str]:
             if not any(re.match(allowed, m[4]) for allowed in ALLOWED)]
 
 
+def _forked_env() -> dict[str, str]:
+    """ENV for a process forked from tests/_zygote.py's server (which imported torch once):
+    every example but the README's quick start (test_demo: a real interpreter, as users
+    start it). A launcher's workers and replica groups fork too."""
+    return {**ENV, "PYTHONPATH": str(ROOT), "PYTHON_EXEC": _zygote.interpreter(),
+            _zygote.FORK_REPLICA_WORKERS: "1"}
+
+
 def _run(*args: str, cwd: Path) -> str:
-    out = subprocess.run([*args], cwd=cwd, env=ENV, capture_output=True, text=True,
-                         timeout=scaled(180))
+    env = _forked_env()
+    out = subprocess.run([env["PYTHON_EXEC"], "-u", *args], cwd=cwd, env=env,
+                         capture_output=True, text=True, timeout=scaled(180))
     assert out.returncode == 0, out.stderr[-3000:]
     assert not unexpected_warnings(out.stderr), out.stderr[-3000:]
     return out.stdout
 
 
 def _python(example: str, *args: str, cwd: Path) -> str:
-    return _run(sys.executable, str(ROOT / "examples" / example), *args, cwd=cwd)
+    return _run(str(ROOT / "examples" / example), *args, cwd=cwd)
+
+
+LAUNCHER = str(Path(sys.executable).with_name("accel-ctx"))
 
 
 def test_basic_net_is_the_seed_tutorials_loop_with_one_line(tmp_path):
@@ -53,8 +65,7 @@ def test_basic_net_is_the_seed_tutorials_loop_with_one_line(tmp_path):
 def test_gan_trains_two_models_and_draws_the_ring_on_two_processes_as_on_one(tmp_path):
     # Trained for a number of steps, not epochs: on 2 processes an epoch has half the steps
     # (as under torchrun + DDP), and 3 epochs left the ring at radius 0.37 instead of 0.9.
-    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
-    out = _run(launcher, "launch", "-n", "2", str(ROOT / "examples" / "gan.py"),
+    out = _run(LAUNCHER, "launch", "-n", "2", str(ROOT / "examples" / "gan.py"),
                "--precision", "bf16", cwd=tmp_path)
     assert "done: 300 steps" in out, out
     radius = float(re.findall(r"mean radius of generated points (\d+\.\d+)", out)[-1])
@@ -70,8 +81,7 @@ def test_nanogpt_stops_and_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_distributed_evaluation_counts_every_sample_once(tmp_path):
-    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
-    out = _run(launcher, "launch", "-n", "3", str(ROOT / "examples" / "evaluate.py"),
+    out = _run(LAUNCHER, "launch", "-n", "3", str(ROOT / "examples" / "evaluate.py"),
                cwd=tmp_path)
     assert "3 process(es) scored 1000 samples: accuracy 1.000" in out
 
@@ -88,9 +98,9 @@ def resumable_runs(tmp_path_factory):
     """resumable_train.py stopped by a signal at step 5, started again, started a third time
     after it finished; and a run never stopped: one set of runs for the two tests below."""
     tmp_path = tmp_path_factory.mktemp("resumable")
-    stopped = subprocess.run([sys.executable, str(ROOT / "examples" / "resumable_train.py"),
-                              "--out", "run", "--stop-at-step", "5"], cwd=tmp_path, env=ENV,
-                             capture_output=True, text=True, timeout=scaled(180))
+    stopped = _zygote.run_script(str(ROOT / "examples" / "resumable_train.py"), "--out", "run",
+                                 "--stop-at-step", "5", cwd=tmp_path, env=_forked_env(),
+                                 timeout=scaled(180))
     again = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
     finished = _python("resumable_train.py", "--out", "run", cwd=tmp_path)
     whole = _python("resumable_train.py", "--out", "whole", cwd=tmp_path)
@@ -116,8 +126,7 @@ def test_resumable_run_stopped_and_resumed_ends_as_one_never_stopped(resumable_r
 
 
 def test_tensor_parallel_splits_the_mlp_over_two_ranks_and_counts_each_sample_once(tmp_path):
-    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
-    out = _run(launcher, "launch", "-n", "2", str(ROOT / "examples" / "tensor_parallel.py"),
+    out = _run(LAUNCHER, "launch", "-n", "2", str(ROOT / "examples" / "tensor_parallel.py"),
                "--epochs", "1", cwd=tmp_path)
     for rank in (0, 1):
         assert (f"rank {rank}: tp_rank {rank}/2, dp_rank 0/1, "
@@ -136,8 +145,7 @@ def test_precision_trains_in_bf16_true_and_fp8(tmp_path):
 
 
 def _launch(example: str, *args: str, cwd: Path) -> str:
-    launcher = shutil.which("accel-ctx") or str(Path(sys.executable).parent / "accel-ctx")
-    return _run(launcher, "launch", *args[:args.index("--")], str(ROOT / "examples" / example),
+    return _run(LAUNCHER, "launch", *args[:args.index("--")], str(ROOT / "examples" / example),
                 *args[args.index("--") + 1:], cwd=cwd)
 
 

@@ -1,15 +1,17 @@
-"""The suite's own tools: the recorded durations that order `./dev test`, and `./dev flaky`."""
+"""The suite's own tools: the recorded durations that order `./dev test`, `./dev flaky`, the
+CPU-seconds count (`--record-cpu`) and the forked scripts of tests/_zygote.py."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from .. import _durations
+from .. import _cpu, _durations, _zygote
 from .._timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,3 +81,43 @@ def test_flaky_counts_the_rounds_each_file_passed(tmp_path):
     assert "3/3 passed  tests/test_steady.py" in result.stdout, result.stdout
     assert "2/3 passed  tests/test_shaky.py" in result.stdout, result.stdout
     assert "test_sometimes: failed in round(s) 2" in result.stdout, result.stdout
+
+
+_BURN = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end:\n    pass\n"
+
+
+@pytest.mark.skipif(not os.access(_cpu._V1 if _cpu._V1.exists() else _cpu._V2, os.W_OK),
+                    reason="--record-cpu needs write access to the cgroup tree")
+def test_the_cpu_count_holds_what_a_process_starts_after_it_joined(tmp_path):
+    # a child that burns 1 CPU-second, started after the group was joined, counts in it
+    code = (f"import subprocess, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+            "from tests import _cpu\n"
+            f"counter = _cpu.own_group('accel-ctx-tests-probe-{os.getpid()}')\n"
+            "before = counter.seconds()\n"
+            f"subprocess.run([sys.executable, '-c', {_BURN!r}], check=True)\n"
+            "print(counter.seconds() - before)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=scaled(60))
+    assert out.returncode == 0, out.stderr
+    assert 0.9 <= float(out.stdout) < 3.0, out.stdout
+
+
+def test_a_forked_script_shows_the_warnings_pythonwarnings_asks_for_as_python_would(tmp_path):
+    # A DeprecationWarning raised outside __main__ is hidden by Python's defaults and shown
+    # under PYTHONWARNINGS=default; the forked child must do both as a real interpreter does.
+    (tmp_path / "old.py").write_text(
+        "import warnings\n"
+        "def call():\n    warnings.warn('old call', DeprecationWarning, stacklevel=1)\n")
+    (tmp_path / "main.py").write_text(  # a forked child finds torch imported by the server
+        "import old, sys\nold.call()\nprint('torch' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for warnings, shown in (("default", True), ("", False), ("ignore,default", True)):
+        asked = {**env, "PYTHONWARNINGS": warnings} if warnings else env
+        for how in ("real", "forked"):
+            run = (subprocess.run([sys.executable, "-u", str(tmp_path / "main.py")], env=asked,
+                                  capture_output=True, text=True, timeout=scaled(60))
+                   if how == "real" else
+                   _zygote.run_script(str(tmp_path / "main.py"), env=asked, timeout=scaled(60)))
+            assert run.stdout.strip() == str(how == "forked"), run.stderr
+            assert ("DeprecationWarning: old call" in run.stderr) == shown, (how, warnings,
+                                                                             run.stderr)

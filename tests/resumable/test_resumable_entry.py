@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .. import _launcher
+from .. import _launcher, _zygote
 
 SCRIPT = str(_launcher.SCRIPTS / "resumable_entry.py")
 
@@ -72,10 +71,9 @@ print("STEP", run.step)
 
 
 def _python(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                          cwd=script.parent, timeout=300,
-                          env={**_launcher.os.environ, "PYTHONPATH": str(_launcher.ROOT),
-                               "OMP_NUM_THREADS": "1"})
+    return _zygote.run_script(str(script), *args, cwd=script.parent, timeout=300,
+                              env={**_launcher.os.environ, "PYTHONPATH": str(_launcher.ROOT),
+                                   "OMP_NUM_THREADS": "1"})
 
 
 def _field(text: str, name: str) -> list[str]:

@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .. import _launcher
+from .. import _launcher, _zygote
 
 SCRIPT = str(_launcher.SCRIPTS / "resumable_forms.py")
 
 
 def _python(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                          timeout=300, env={**_launcher.os.environ, "OMP_NUM_THREADS": "1",
-                                            "PYTHONPATH": str(_launcher.ROOT)})
+    return _zygote.run_script(SCRIPT, *args, timeout=300, env={
+        **_launcher.os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_launcher.ROOT)})
 
 
 def _field(text: str, name: str) -> list[str]:
