@@ -119,6 +119,15 @@ class RecordingClient:
         self.last = quorum
         return quorum
 
+    def should_commit(self, group_rank: int, step: int, should_commit: bool,
+                      timeout: Any = None) -> bool:
+        """The group's commit vote: its manager server answers the AND of its ranks' votes
+        once each voted, and keeps nothing else (torchft's src/manager.rs). A group of one
+        rank has its own vote as the answer, without the round trip (~1 ms a step)."""
+        if size_of(self.own) == 1:
+            return bool(should_commit)
+        return bool(self._client.should_commit(group_rank, step, should_commit, timeout=timeout))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._client, name)
 
