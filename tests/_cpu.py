@@ -8,9 +8,11 @@ inherits: spawned ranks, launchers, the workers they start, and those that outli
 counter is read around each test and summed by file. The controlling process also reads the
 machine's whole counter over the run, so what ran outside the workers shows as the difference.
 
-The result (JSON: ``{"machine": s, "files": {path: s}}``) goes to FILE; the summary prints at
-the end. A group is removed by the next run, once its processes are gone (a worker is still
-in its own when the run ends). Needs write access to the cgroup tree (root in a container, as on CI's machine).
+The result (JSON: ``{"machine": s, "tests": s, "files": {path: s}}``, ``tests`` the files' sum)
+goes to FILE; the summary prints at the end. ``ACCEL_CTX_CPU_BY_TEST=1`` counts each test
+instead of each file. A group is removed by the next run, once its processes are gone (a
+worker is still in its own when the run ends). Needs write access to the cgroup tree (root in
+a container, as on CI's machine); ``./dev test`` does not ask for it.
 """
 
 from __future__ import annotations
