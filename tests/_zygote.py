@@ -171,8 +171,7 @@ def interpreter() -> str:
 def serve(path: str, owner: int) -> None:
     """The server's loop: fork a child per request, tell each client how its child ended; end
     when ``owner`` (the pytest process) is gone."""
-    global _BEFORE_IMPORTS, _SET_BY_IMPORTS
-    global _FRESH_FILTERS
+    global _BEFORE_IMPORTS, _SET_BY_IMPORTS, _FRESH_FILTERS
     _BEFORE_IMPORTS = dict(os.environ)
     _FRESH_FILTERS = len(warnings.filters)
     for name in _spawn.PRELOAD:
@@ -224,7 +223,7 @@ def _answer(conn: socket.socket, listener: socket.socket,
         conn.close()
         return
     why = ("options" if target is None else "streams" if len(fds) != 3
-           else _differs(request["env"], launcher=os.path.basename(target[1]) in _LAUNCHERS))
+           else _differs(request["env"], launcher=_is_launcher(target)))
     if why:  # the real interpreter runs it; said in the server's folder
         with open(os.path.join(os.path.dirname(listener.getsockname()), "exec.log"), "a") as f:
             f.write(f"{why}: {request['args']}\n")
@@ -259,6 +258,11 @@ def _target(args: list[str]) -> tuple[str, str, list[str]] | None:
     if args[1].startswith("-"):
         return None
     return "file", args[1], args[2:]
+
+
+def _is_launcher(target: tuple[str, str, list[str]]) -> bool:
+    """Whether ``target`` (of :func:`_target`) is ``accel-ctx``, or a group's launcher."""
+    return os.path.basename(target[1]) in _LAUNCHERS
 
 
 def _differs(env: dict[str, str], launcher: bool = False) -> str:
@@ -305,7 +309,7 @@ def _child(conn: socket.socket, fds: list[int], request: dict[str, object],
         if env.get(_PARENT_VAR) == str(request.get("ppid")):
             os.environ[_PARENT_VAR] = str(os.getppid())
         how, name, args = target
-        if os.path.basename(name) in _LAUNCHERS:  # its replica groups' launchers fork too
+        if _is_launcher(target):  # its replica groups' launchers fork too
             sys.executable = env.get("PYTHON_EXEC", sys.executable)
         threading.Thread(target=_die_with_client, args=(conn,), daemon=True).start()
         _fresh_state(env)

@@ -6,12 +6,11 @@ import importlib.util
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from .. import _zygote
+from .. import _launcher, _zygote
 from .._timeouts import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,8 +53,6 @@ def _python(example: str, *args: str, cwd: Path) -> str:
     return _run(str(ROOT / "examples" / example), *args, cwd=cwd)
 
 
-LAUNCHER = str(Path(sys.executable).with_name("accel-ctx"))
-
 
 def test_basic_net_is_the_seed_tutorials_loop_with_one_line(tmp_path):
     assert "done: 3 steps" in _python("basic_net.py", "--steps", "3", cwd=tmp_path)
@@ -65,7 +62,7 @@ def test_basic_net_is_the_seed_tutorials_loop_with_one_line(tmp_path):
 def test_gan_trains_two_models_and_draws_the_ring_on_two_processes_as_on_one(tmp_path):
     # Trained for a number of steps, not epochs: on 2 processes an epoch has half the steps
     # (as under torchrun + DDP), and 3 epochs left the ring at radius 0.37 instead of 0.9.
-    out = _run(LAUNCHER, "launch", "-n", "2", str(ROOT / "examples" / "gan.py"),
+    out = _run(_launcher.ACCEL_CTX, "launch", "-n", "2", str(ROOT / "examples" / "gan.py"),
                "--precision", "bf16", cwd=tmp_path)
     assert "done: 300 steps" in out, out
     radius = float(re.findall(r"mean radius of generated points (\d+\.\d+)", out)[-1])
@@ -81,7 +78,7 @@ def test_nanogpt_stops_and_resumes_from_its_checkpoint(tmp_path):
 
 
 def test_distributed_evaluation_counts_every_sample_once(tmp_path):
-    out = _run(LAUNCHER, "launch", "-n", "3", str(ROOT / "examples" / "evaluate.py"),
+    out = _run(_launcher.ACCEL_CTX, "launch", "-n", "3", str(ROOT / "examples" / "evaluate.py"),
                cwd=tmp_path)
     assert "3 process(es) scored 1000 samples: accuracy 1.000" in out
 
@@ -126,7 +123,8 @@ def test_resumable_run_stopped_and_resumed_ends_as_one_never_stopped(resumable_r
 
 
 def test_tensor_parallel_splits_the_mlp_over_two_ranks_and_counts_each_sample_once(tmp_path):
-    out = _run(LAUNCHER, "launch", "-n", "2", str(ROOT / "examples" / "tensor_parallel.py"),
+    out = _run(_launcher.ACCEL_CTX, "launch", "-n", "2",
+               str(ROOT / "examples" / "tensor_parallel.py"),
                "--epochs", "1", cwd=tmp_path)
     for rank in (0, 1):
         assert (f"rank {rank}: tp_rank {rank}/2, dp_rank 0/1, "
@@ -145,7 +143,8 @@ def test_precision_trains_in_bf16_true_and_fp8(tmp_path):
 
 
 def _launch(example: str, *args: str, cwd: Path) -> str:
-    return _run(LAUNCHER, "launch", *args[:args.index("--")], str(ROOT / "examples" / example),
+    return _run(_launcher.ACCEL_CTX, "launch", *args[:args.index("--")],
+                str(ROOT / "examples" / example),
                 *args[args.index("--") + 1:], cwd=cwd)
 
 
