@@ -3,6 +3,7 @@ CPU-seconds count (`--record-cpu`) and the forked scripts of tests/_zygote.py.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -96,8 +97,12 @@ def test_the_cpu_count_holds_what_a_process_starts_after_it_joined(tmp_path):
             "before = counter.seconds()\n"
             f"subprocess.run([sys.executable, '-c', {_BURN!r}], check=True)\n"
             "print(counter.seconds() - before)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=scaled(60))
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=scaled(60))
+    finally:  # empty once the probe and its child are gone
+        with contextlib.suppress(OSError):
+            (_cpu._root() / f"accel-ctx-tests-probe-{os.getpid()}").rmdir()
     assert out.returncode == 0, out.stderr
     assert 0.9 <= float(out.stdout) < 3.0, out.stdout
 
