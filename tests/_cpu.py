@@ -44,11 +44,19 @@ class Counter:
         return int(stat["usage_usec"]) / 1e6
 
 
-def _root() -> Path:
+def tree() -> Path | None:
+    """The cgroup tree whose counters this reads (v1 ``cpuacct``, else v2), None if neither."""
     if (_V1 / "cpuacct.usage").exists():
         return _V1
     if (_V2 / "cgroup.procs").exists() and (_V2 / "cpu.stat").exists():
         return _V2
+    return None
+
+
+def _root() -> Path:
+    found = tree()
+    if found is not None:
+        return found
     raise pytest.UsageError(f"{OPTION} needs cgroup CPU accounting (neither {_V1} nor a cgroup "
                             f"v2 tree at {_V2} is there)")
 

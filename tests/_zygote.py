@@ -152,13 +152,17 @@ def python_exec() -> str:
     return _client
 
 
-def run_script(script: str, *args: str, **options: Any) -> subprocess.CompletedProcess[str]:
-    """``python SCRIPT ARGS`` forked from the server (``subprocess.run``'s ``options``: ``env``,
-    ``cwd``, ``timeout``...; output captured as text): a single-process script a test runs
-    many times over pays torch's import once. The client's exit code is the script's."""
+def run_script(script: str, *args: str, env: dict[str, str] | None = None,
+               **options: Any) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` forked from the server (``subprocess.run``'s ``options``: ``cwd``,
+    ``timeout``...; output captured as text): a single-process script a test runs many times
+    over pays torch's import once. ``env`` goes over this process's environment with the
+    server's ``PYTHONPATH`` and ``OMP_NUM_THREADS`` (a fork needs them: others make the client
+    run the real interpreter). The client's exit code is the script's."""
     options.setdefault("capture_output", True)
     options.setdefault("text", True)
-    return subprocess.run([interpreter(), "-u", script, *args], **options)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([interpreter(), "-u", script, *args], env=env, **options)
 
 
 def interpreter() -> str:

@@ -71,9 +71,7 @@ print("STEP", run.step)
 
 
 def _python(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return _zygote.run_script(str(script), *args, cwd=script.parent, timeout=300,
-                              env={**_launcher.os.environ, "PYTHONPATH": str(_launcher.ROOT),
-                                   "OMP_NUM_THREADS": "1"})
+    return _zygote.run_script(str(script), *args, cwd=script.parent, timeout=300)
 
 
 def _field(text: str, name: str) -> list[str]:

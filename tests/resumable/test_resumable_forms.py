@@ -17,8 +17,7 @@ SCRIPT = str(_launcher.SCRIPTS / "resumable_forms.py")
 
 
 def _python(*args: str) -> subprocess.CompletedProcess[str]:
-    return _zygote.run_script(SCRIPT, *args, timeout=300, env={
-        **_launcher.os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(_launcher.ROOT)})
+    return _zygote.run_script(SCRIPT, *args, timeout=300)
 
 
 def _field(text: str, name: str) -> list[str]:
