@@ -57,3 +57,20 @@ def test_accumulate_and_bf16_in_replica_groups_equal_them_under_ddp(tmp_path: Pa
         assert mine["samples"] == theirs["samples"] and mine["lr"] == theirs["lr"]
     for key, value in ddp["weights"].items():
         torch.testing.assert_close(groups["weights"][key], value, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["clip", "no_sync"])
+def test_the_gradients_are_averaged_over_every_group_when_backward_returns_as_under_ddp(
+        tmp_path: Path, mode: str) -> None:
+    # DDP clips the gradient averaged over every rank (a group must not clip its own first),
+    # and averages nothing inside no_sync() (the sum of the step's batches is, after it)
+    runs = _runs(tmp_path, mode, groups=["-n", "1", "--replica-groups", "2"], ddp=["-n", "2"])
+    groups, ddp = runs["groups"], runs["ddp"]
+    assert [r["step"] for r in groups["seen"]] == list(range(1, 9))
+    for mine, theirs in zip(groups["seen"], ddp["seen"], strict=True):
+        assert mine["samples"] == theirs["samples"]
+        if mode == "clip":
+            assert theirs["norm"] > 0.05  # every step clipped
+            assert mine["norm"] == pytest.approx(theirs["norm"], rel=1e-5, abs=0)
+    for key, value in ddp["weights"].items():
+        torch.testing.assert_close(groups["weights"][key], value, rtol=0, atol=1e-6)

@@ -5,7 +5,9 @@ the step given last (-1: none), and "sharded" to train under sharded() or "accum
 accumulate(2) and mixed_precision("bf16"); it steps on until every group is back (or for at most 4
 minutes). Each step records what must be equal in every group: the step, the groups in it, the
 lr, a draw from torch's generator and the loader's position, and the samples it trained on; at
-the end, the step state() read at the scope's entry."""
+the end, the step state() read at the scope's entry. Mode "clip" clips the gradient norm to 0.05
+(below every step's norm: each step is clipped) and records the norm clip_grad_norm_ returned;
+"no_sync" takes each step over two batches, the first one's backward inside no_sync()."""
 
 import os
 import signal
@@ -17,7 +19,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from accel_ctx import accumulate, distributed, loader_state, mixed_precision, sharded, state
+from accel_ctx import (
+    accumulate,
+    distributed,
+    loader_state,
+    mixed_precision,
+    no_sync,
+    sharded,
+    state,
+)
 
 out, steps, groups = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kill_group, kill_at = int(sys.argv[4]), int(sys.argv[5])
@@ -46,11 +56,19 @@ with scopes():
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     seen: list[dict] = []
-    done = False
+    done, held = False, False
     while not done:
         for idx, x, y in loader:
+            if mode == "no_sync" and not held:  # the step's first batch: not averaged yet
+                with no_sync():
+                    F.mse_loss(model(x), y).backward()
+                held = True
+                continue
+            held = False
             loss = F.mse_loss(model(x), y)
             loss.backward()
+            norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item()
+                    if mode == "clip" else None)
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -58,7 +76,7 @@ with scopes():
             where = loader_state(loader)
             seen.append({"step": s.step, "groups": s.replica_groups, "lr": sched.get_last_lr()[0],
                          "draw": torch.rand(1).item(), "epoch": where["epoch"],
-                         "consumed": where["consumed"], "samples": idx.tolist()})
+                         "consumed": where["consumed"], "samples": idx.tolist(), "norm": norm})
             if (s.replica_group, s.rank, restart, s.step) == (kill_group, 0, 0, kill_at):
                 os.kill(os.getpid(), signal.SIGKILL)
             back = s.replica_groups == groups
