@@ -60,7 +60,6 @@ class ReplicaGroupRuntime(GroupQuorum):
         exits.push(self._leave)  # before the shutdown: the others hear that it finished
         mark_joined(job.rank)
 
-
     def _leave(self, kind: Any, error: Any, trace: Any) -> bool:
         """At the scope's end without an error: tell the last quorum's groups that this one
         finished (its row in one more check, at a new quorum id), so that they do not report a
@@ -186,7 +185,7 @@ class ReplicaGroupRuntime(GroupQuorum):
         mark = stack.session.backward_calls if stack is not None else -1
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
-        if self._averaged != mark:  # a step whose backward was not averaged (rank-local code)
+        if self._averaged != mark:  # its backward averaged nothing (inside no_sync(), say)
             self._ready()
             average_now(self._grads(), self._reduce)
         commit = self._vote("step", "its update is dropped in every group, and the next batch "

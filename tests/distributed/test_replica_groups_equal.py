@@ -59,12 +59,14 @@ def test_accumulate_and_bf16_in_replica_groups_equal_them_under_ddp(tmp_path: Pa
         torch.testing.assert_close(groups["weights"][key], value, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["clip", "no_sync"])
+@pytest.mark.parametrize(("mode", "per_group"), [("clip", 1), ("clip", 2), ("no_sync", 1)])
 def test_the_gradients_are_averaged_over_every_group_when_backward_returns_as_under_ddp(
-        tmp_path: Path, mode: str) -> None:
-    # DDP clips the gradient averaged over every rank (a group must not clip its own first),
-    # and averages nothing inside no_sync() (the sum of the step's batches is, after it)
-    runs = _runs(tmp_path, mode, groups=["-n", "1", "--replica-groups", "2"], ddp=["-n", "2"])
+        tmp_path: Path, mode: str, per_group: int) -> None:
+    # DDP clips the gradient averaged over every rank (a group must not clip its own first:
+    # averaged during the backward in a group of one rank, after the group's DDP in one of
+    # two), and averages nothing inside no_sync() (the sum of the step's batches is, after it)
+    runs = _runs(tmp_path, mode, groups=["-n", str(per_group), "--replica-groups", "2"],
+                 ddp=["-n", str(2 * per_group)])
     groups, ddp = runs["groups"], runs["ddp"]
     assert [r["step"] for r in groups["seen"]] == list(range(1, 9))
     for mine, theirs in zip(groups["seen"], ddp["seen"], strict=True):
