@@ -49,8 +49,10 @@ class ReplicaGroupRuntime(GroupQuorum):
 
     def __init__(self, job: Job, exits: ExitStack, healing: Healing) -> None:
         super().__init__(job, exits, healing)
-        self._decided: tuple[int, bool] | None = None  # (backward count, commit) of this step
-        self._averaged = -1  # the backward count whose gradients are averaged over the groups
+        # a step is its backward count and its quorum's number (torch.autograd.backward, not
+        # patched, counts no backward): its commit, and whether its gradients are averaged
+        self._decided: tuple[tuple[int, int], bool] | None = None
+        self._averaged = (-1, -1)
         self._checked_quorum = -1  # checked at each new quorum id (the module docstring)
         # a group of one rank has no DDP engine: its backward starts the average bucket by bucket
         self._overlap = BackwardAverage(self._reduce, job.options.bucket_cap_mb) if (
@@ -174,7 +176,19 @@ class ReplicaGroupRuntime(GroupQuorum):
         if overlap is None or not overlap.finish():
             self._ready()
             average_now(self._grads(), self._reduce)
-        self._averaged = session.backward_calls
+        self._averaged = (session.backward_calls, self._asks)
+
+    def _mark(self, stack: _state.Stack | None) -> tuple[int, int]:
+        return (stack.session.backward_calls if stack is not None else -1, self._asks)
+
+    @override
+    def grads_for_clipping(self, session: Session, params: list[torch.Tensor]) -> None:
+        # a backward the patch did not see (torch.autograd.backward): averaged before the clip
+        stack = _state.current()
+        if self._averages(stack) and self._averaged != self._mark(stack):
+            self._ready()
+            average_now(self._grads(), self._reduce)
+            self._averaged = self._mark(stack)
 
     @override
     def allows_step(self, record: OptimizerRecord) -> bool:
@@ -182,7 +196,7 @@ class ReplicaGroupRuntime(GroupQuorum):
         stack = _state.current()
         if self.steps_locally(stack):  # local steps: local_sgd() syncs by average_over_groups
             return True
-        mark = stack.session.backward_calls if stack is not None else -1
+        mark = self._mark(stack)
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
         if self._averaged != mark:  # its backward averaged nothing (inside no_sync(), say)

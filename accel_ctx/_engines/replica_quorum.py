@@ -37,6 +37,7 @@ class GroupQuorum(Concern):
         self._speaks = job.rank == 0  # one line per event and group
         self._world = job.world_size  # every group must have as many processes
         self._open = False  # a quorum was asked for the step under way
+        self._asks = 0  # quorums asked for so far: a new one is a new step
         self._asked: tuple[frozenset[int], int, int] | None = None  # an overlapped one, unsettled
         self._settled = 0.0  # when the last quorum came (time.monotonic())
         self._members: frozenset[int] = frozenset()
@@ -69,6 +70,7 @@ class GroupQuorum(Concern):
         if self._open:
             return
         self._open = True
+        self._asks += 1
         first = not self._members
         began = time.monotonic()
         stack = _state.current()

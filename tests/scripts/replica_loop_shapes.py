@@ -7,7 +7,8 @@ folder, then the shape:
   too, zeroed before its next step), each clipped;
 - "checkpoint": a frozen first layer and activation checkpointing (reentrant, as HF's
   ``gradient_checkpointing_enable`` sets it) in the forward;
-- "two_losses": two forwards and backwards accumulated by hand before one step.
+- "two_losses": two forwards and backwards accumulated by hand before one step;
+- "autograd_backward": ``torch.autograd.backward(loss)`` instead of ``loss.backward()``.
 
 Rank 0 of each group (or of the DDP job) saves every step's norms and the final weights."""
 
@@ -67,7 +68,11 @@ with distributed():
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.01)
         batches = iter(loader)
         for x, y in batches:
-            F.mse_loss(model(x), y).backward()
+            loss = F.mse_loss(model(x), y)
+            if shape == "autograd_backward":
+                torch.autograd.backward(loss)
+            else:
+                loss.backward()
             if shape == "two_losses":
                 x2, y2 = next(batches)
                 F.mse_loss(model(x2), y2).backward()
