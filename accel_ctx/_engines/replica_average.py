@@ -3,12 +3,13 @@
 Plain DDP averages each bucket of gradients as soon as the backward has made all of them, so
 that the all-reduce runs beside the rest of the backward and the gradients are averaged when
 ``loss.backward()`` returns (clipping and the user's reads see the average). A replica group
-of one rank has no DDP engine: :class:`BackwardAverage` does the same over the groups, with
-DDP's own bucket assignment (c10d's ``_compute_bucket_assignment_by_size``, DDP's cap, the
-buckets in DDP's order; not DDP's small first bucket: each call through torchft's Python
-process group costs more CPU than one of DDP's C++ reducer, ~0.3 ms here), each bucket's all-reduce started from the gradients' post-accumulate
-hooks through torchft's ``Manager.allreduce``, in bucket order (every group issues its
-collectives in the same order), and waited for at the backward's end.
+of one rank has no DDP engine: :class:`BackwardAverage` does the same over the groups. The
+buckets are DDP's own assignment (c10d's ``_compute_bucket_assignment_by_size``, DDP's cap, in
+DDP's order), without DDP's small first bucket: a call through torchft's Python process group
+costs far more CPU than one of DDP's C++ reducer (~0.6 ms of the main thread here, its
+all-reduce and its wait). Each bucket's all-reduce is started from the gradients'
+post-accumulate hooks through torchft's ``Manager.allreduce``, in bucket order (every group
+issues its collectives in the same order), and waited for at the backward's end.
 
 A backward that made a gradient twice (a reentrant checkpoint) spoils the buckets already
 started: they are waited for and thrown away, and the caller averages again at the end, as

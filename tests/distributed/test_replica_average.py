@@ -1,6 +1,7 @@
 """The replica groups' gradient average started during the backward (a group of one rank): in
-DDP's buckets (without its small first one) and DDP's order, every bucket started by the backward's end, the averages written
-into the gradients, and a backward that makes a gradient twice averaged again at its end.
+DDP's buckets (without its small first one) and DDP's order, every bucket started by the
+backward's end, the averages written into the gradients, and a backward that makes a gradient
+twice averaged again at its end.
 
 The all-reduce here is the arithmetic of two groups' average against a fixed peer (this
 process's gradient and the peer's, halved), started when the hooks call it and finished when

@@ -85,7 +85,8 @@ def test_loop_shapes_train_in_replica_groups_as_under_ddp(tmp_path: Path, shape:
     # groups as DDP averages over its ranks
     script = str(_launcher.SCRIPTS / "replica_loop_shapes.py")
     started = {}
-    for name, launch in {"groups": ["-n", "1", "--replica-groups", "2"], "ddp": ["-n", "2"]}.items():
+    launches = {"groups": ["-n", "1", "--replica-groups", "2"], "ddp": ["-n", "2"]}
+    for name, launch in launches.items():
         out = tmp_path / name
         out.mkdir()
         started[name] = (out, *_launcher.start([*launch, script, str(out), shape], tmp_path,
