@@ -126,6 +126,8 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     if record.depth and record.depth_mark == session.backward_calls:
         record.depth += 1  # a subclass's step() calling super().step(): the outer call decided
         return None
+    if record.calls and record.depth_mark == session.backward_calls and not record.skipping:
+        _no_backward_seen(stack)  # its last step was taken, on the gradients of this backward
     record.depth, record.depth_mark = 1, session.backward_calls
     record.calls += 1
     skip = False
@@ -156,6 +158,24 @@ def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any
     if skip:
         return ((skipped_view(optimizer), *args[1:]), kwargs)
     return None
+
+
+_told_no_backward: weakref.WeakSet[Session] = weakref.WeakSet()  # the sessions told, once each
+
+
+def _no_backward_seen(stack: _state.Stack) -> None:
+    """An optimizer stepped again with no ``loss.backward()`` seen since its last step: most
+    often a loop that calls ``torch.autograd.backward``, which the scopes do not intercept, so
+    ``state().step`` stays where it was (a ``while state().step < N`` loop never ends)."""
+    if "accumulate" in stack.slots or stack.session in _told_no_backward:
+        return  # accumulate() says it in its own words
+    _told_no_backward.add(stack.session)
+    warn_user(
+        "optimizer.step() ran again with no loss.backward() since its last step. The scope "
+        "counts steps (state().step), accumulates and averages over replica groups by "
+        "loss.backward(); torch.autograd.backward() and torch.autograd.grad are not seen, so "
+        "state().step did not move. Call loss.backward() instead, once before each step.",
+        RuntimeWarning)
 
 
 def after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
