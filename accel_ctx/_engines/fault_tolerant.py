@@ -168,27 +168,31 @@ class ReplicaGroupRuntime(GroupQuorum):
 
     @override
     def after_backward(self, session: Session, params: Any) -> None:
-        overlap = self._overlap
-        if not self._averages(_state.current()):
+        overlap, stack = self._overlap, _state.current()
+        if not self._averages(stack):
             if overlap is not None and overlap.armed:
                 overlap.abandon()
             return
-        if overlap is None or not overlap.finish():
-            self._ready()
-            average_now(self._grads(), self._reduce)
-        self._averaged = (session.backward_calls, self._asks)
+        if overlap is not None and overlap.finish():
+            self._averaged = self._mark(stack)
+        else:
+            self._average_step(stack)
 
     def _mark(self, stack: _state.Stack | None) -> tuple[int, int]:
         return (stack.session.backward_calls if stack is not None else -1, self._asks)
+
+    def _average_step(self, stack: _state.Stack | None) -> None:
+        """The step's gradients averaged over the groups at once, and marked so."""
+        self._ready()
+        average_now(self._grads(), self._reduce)
+        self._averaged = self._mark(stack)
 
     @override
     def grads_for_clipping(self, session: Session, params: list[torch.Tensor]) -> None:
         # a backward the patch did not see (torch.autograd.backward): averaged before the clip
         stack = _state.current()
         if self._averages(stack) and self._averaged != self._mark(stack):
-            self._ready()
-            average_now(self._grads(), self._reduce)
-            self._averaged = self._mark(stack)
+            self._average_step(stack)
 
     @override
     def allows_step(self, record: OptimizerRecord) -> bool:
@@ -200,8 +204,7 @@ class ReplicaGroupRuntime(GroupQuorum):
         if self._decided is not None and self._decided[0] == mark:
             return self._decided[1]
         if self._averaged != mark:  # its backward averaged nothing (inside no_sync(), say)
-            self._ready()
-            average_now(self._grads(), self._reduce)
+            self._average_step(stack)
         commit = self._vote("step", "its update is dropped in every group, and the next batch "
                             "goes on.")
         self._decided = (mark, commit)

@@ -114,10 +114,7 @@ class BackwardAverage:
             return False
         while self._next < len(self._buckets):
             self._start(self._next)
-        self.armed = False
-        started, self._started = self._started, []
-        for _, _, work in started:
-            work.wait()
+        started = self._drain()
         if self._spoiled:
             return False
         for grads, flat, _ in started:
@@ -130,10 +127,15 @@ class BackwardAverage:
     def abandon(self) -> None:
         """The backward failed: wait for what it started (its buffers are in flight), keep
         nothing."""
+        self._drain()
+
+    def _drain(self) -> list[tuple[list[torch.Tensor], torch.Tensor, Any]]:
+        """Disarm, and wait for every all-reduce started: what they were."""
         self.armed = False
         started, self._started = self._started, []
         for _, _, work in started:
             work.wait()
+        return started
 
     def close(self) -> None:
         """Remove the hooks (the scope ends, or the parameters changed)."""
